@@ -1,0 +1,127 @@
+"""Checkpoints read lazily: a Hugging Face safetensors folder or a GGUF file.
+
+Both expose the same small interface (`config`, `names`, `shape`, `load`, `tokenizer`), with tensor
+names in the Hugging Face convention, so a stage reads only the tensors of its own layers.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+from strata.errors import CheckpointError
+from strata.model.tokenizer import Tokenizer
+
+
+class Checkpoint(Protocol):
+    path: Path
+    config: dict
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def tokenizer(self) -> Tokenizer | None: ...
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def _check_safetensors_file(path: Path) -> None:
+    """Refuse a truncated file before any tensor is read: the header announces the data's length."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated safetensors file (header of {header_len} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: its tensors need {8 + header_len + end} bytes, the file has {size}; "
+            "download it again"
+        )
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face model folder: config.json, one or more *.safetensors (with an index when sharded), tokenizer files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.config = _read_json(path / "config.json")
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = {}
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files in the model folder")
+        self._files: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            file = path / name
+            if not file.exists():
+                raise CheckpointError(f"{file}: listed in {index.name} but missing; download the checkpoint again")
+            _check_safetensors_file(file)
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    self._files[key] = file
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+        missing = sorted(k for k in weight_map if k not in self._files)
+        if missing:
+            raise CheckpointError(f"{index}: lists {len(missing)} tensors not found in the shards, e.g. {missing[0]}")
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            raise CheckpointError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        return self._shapes[name]
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        file = self._files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(file, "pt")
+        return handle.get_tensor(name).to(dtype)
+
+    def tokenizer(self) -> Tokenizer | None:
+        return Tokenizer.from_folder(self.path)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open `path` (a model folder or a .gguf file) without reading any tensor data."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder; give a Hugging Face model folder or a .gguf file")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            return SafetensorsCheckpoint(path)
+    from strata.model.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)

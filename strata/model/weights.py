@@ -1,0 +1,194 @@
+"""Load a layer range's tensors from a checkpoint into neutral, compute-ready form.
+
+Neutral names per layer (shapes in torch orientation, [out, in]):
+  attn_norm, mlp_norm                        [hidden] float32 (norm offsets folded in)
+  attention: qkv [q_out + 2*Hkv*D, hidden] (q_out = H*D, or 2*H*D with the output gate: per head [q | gate]),
+             qkv_bias (optional), q_norm, k_norm [D], o [hidden, H*D]
+  gdn:       in_proj [conv_dim + value_dim + 2*Hv, hidden] (rows: q, k, v | z | b | a), conv [conv_dim, K],
+             neg_a [Hv] (= -exp(A_log)), dt_bias [Hv], norm [Dv], out [hidden, value_dim]
+  dense:     gate_up [2I, hidden], down [hidden, I]
+  moe:       router [E, hidden], experts_gate_up [E, 2I, hidden], experts_down [E, hidden, I],
+             shared_gate_up, shared_down, shared_gate [1, hidden] (when the spec has them)
+Only the named layers are read, so a stage holds no tensor of another stage's layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import CheckpointError
+from strata.model.checkpoint import Checkpoint
+from strata.model.families import Family
+from strata.model.spec import ModelSpec
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class StageWeights:
+    layers: dict[int, Tensors]
+    embed: torch.Tensor | None = None  # [V, hidden], on the stage that owns the embedding
+    final_norm: torch.Tensor | None = None
+    lm_head: torch.Tensor | None = None  # [V, hidden]; the embedding itself when tied
+    mtp: Tensors = field(default_factory=dict)  # raw mtp.* tensors, kept for drafting
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [t for layer in self.layers.values() for t in layer.values()]
+        tensors += [t for t in (self.embed, self.final_norm, self.lm_head) if t is not None] + list(self.mtp.values())
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+class _Reader:
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.device, self.dtype = ckpt, device, dtype
+        self.names = set(ckpt.names())
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
+        t = self.ckpt.load(name, dtype or self.dtype)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {name!r} has shape {list(t.shape)}, the config implies {list(shape)}"
+            )
+        return t.to(self.device).contiguous()
+
+    def norm(self, name: str, dim: int, offset: float) -> torch.Tensor:
+        w = self.get(name, (dim,), torch.float32)
+        return w + offset if offset else w
+
+
+def _attention(r: _Reader, p: str, spec: ModelSpec, offset: float) -> Tensors:
+    a, hidden = spec.attention, spec.hidden_size
+    q_out = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+    kv_out = a.num_kv_heads * a.head_dim
+    w = {
+        "qkv": torch.cat(
+            [r.get(f"{p}q_proj.weight", (q_out, hidden)), r.get(f"{p}k_proj.weight", (kv_out, hidden)),
+             r.get(f"{p}v_proj.weight", (kv_out, hidden))]
+        ),
+        "o": r.get(f"{p}o_proj.weight", (hidden, a.num_heads * a.head_dim)),
+    }
+    if r.has(f"{p}q_proj.bias"):
+        w["qkv_bias"] = torch.cat(
+            [r.get(f"{p}q_proj.bias", (q_out,)), r.get(f"{p}k_proj.bias", (kv_out,)), r.get(f"{p}v_proj.bias", (kv_out,))]
+        )
+    if a.qk_norm:
+        w["q_norm"] = r.norm(f"{p}q_norm.weight", a.head_dim, offset)
+        w["k_norm"] = r.norm(f"{p}k_norm.weight", a.head_dim, offset)
+    return w
+
+
+def _gdn(r: _Reader, p: str, spec: ModelSpec, family: Family) -> Tensors:
+    g, hidden = spec.gdn, spec.hidden_size
+    hv = g.num_v_heads
+    if family.gdn_projection == "fused_qkvz":
+        # rows grouped per key head: [q | k | v (Hv/Hk heads) | z (Hv/Hk heads)], and [b | a] likewise
+        per = hv // g.num_k_heads
+        sizes = [g.k_head_dim, g.k_head_dim, per * g.v_head_dim, per * g.v_head_dim]
+        qkvz = r.get(f"{p}in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, hidden))
+        q, k, v, z = (t.reshape(-1, hidden) for t in qkvz.reshape(g.num_k_heads, sum(sizes), hidden).split(sizes, 1))
+        ba = r.get(f"{p}in_proj_ba.weight", (2 * hv, hidden))
+        b, a = (t.reshape(-1, hidden) for t in ba.reshape(g.num_k_heads, 2 * per, hidden).split([per, per], 1))
+        in_proj = torch.cat([q, k, v, z, b, a])
+    else:
+        in_proj = torch.cat(
+            [r.get(f"{p}in_proj_qkv.weight", (g.conv_dim, hidden)), r.get(f"{p}in_proj_z.weight", (g.value_dim, hidden)),
+             r.get(f"{p}in_proj_b.weight", (hv, hidden)), r.get(f"{p}in_proj_a.weight", (hv, hidden))]
+        )
+    return {
+        "in_proj": in_proj.contiguous(),
+        "conv": r.get(f"{p}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)).reshape(g.conv_dim, g.conv_kernel),
+        "neg_a": -r.get(f"{p}A_log", (hv,), torch.float32).exp(),
+        "dt_bias": r.get(f"{p}dt_bias", (hv,), torch.float32),
+        "norm": r.get(f"{p}norm.weight", (g.v_head_dim,), torch.float32),
+        "out": r.get(f"{p}out_proj.weight", (hidden, g.value_dim)),
+    }
+
+
+def _swiglu(r: _Reader, p: str, hidden: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = torch.cat([r.get(f"{p}gate_proj.weight", (dim, hidden)), r.get(f"{p}up_proj.weight", (dim, hidden))])
+    return gate_up, r.get(f"{p}down_proj.weight", (hidden, dim))
+
+
+def _experts(r: _Reader, p: str, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    m, hidden = spec.moe, spec.hidden_size
+    e, i = m.num_experts, m.expert_dim
+    if r.has(f"{p}gate_up_proj"):  # fused 3-D tensors
+        return r.get(f"{p}gate_up_proj", (e, 2 * i, hidden)), r.get(f"{p}down_proj", (e, hidden, i))
+    if r.has(f"{p}gate_proj"):  # stacked 3-D tensors (GGUF)
+        gate_up = torch.cat([r.get(f"{p}gate_proj", (e, i, hidden)), r.get(f"{p}up_proj", (e, i, hidden))], dim=1)
+        return gate_up, r.get(f"{p}down_proj", (e, hidden, i))
+    pairs = [_swiglu(r, f"{p}{x}.", hidden, i) for x in range(e)]
+    return torch.stack([gu for gu, _ in pairs]), torch.stack([d for _, d in pairs])
+
+
+def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str) -> Tensors:
+    hidden = spec.hidden_size
+    if kind == "dense":
+        gate_up, down = _swiglu(r, p, hidden, spec.dense_dim)
+        return {"gate_up": gate_up, "down": down}
+    m = spec.moe
+    gate_up, down = _experts(r, f"{p}experts.", spec)
+    w = {"router": r.get(f"{p}gate.weight", (m.num_experts, hidden)), "experts_gate_up": gate_up, "experts_down": down}
+    if m.shared_dim:
+        w["shared_gate_up"], w["shared_down"] = _swiglu(r, f"{p}shared_expert.", hidden, m.shared_dim)
+        if m.shared_gate:
+            w["shared_gate"] = r.get(f"{p}shared_expert_gate.weight", (1, hidden))
+    return w
+
+
+def load_stage_weights(
+    ckpt: Checkpoint,
+    family: Family,
+    spec: ModelSpec,
+    layers: range,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    first: bool = True,
+    last: bool = True,
+) -> StageWeights:
+    """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last)."""
+    r = _Reader(ckpt, device, dtype)
+    pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
+    out: dict[int, Tensors] = {}
+    for i in layers:
+        p = f"{pre}layers.{i}."
+        layer = spec.layers[i]
+        w = {"attn_norm": r.norm(f"{p}input_layernorm.weight", hidden, off),
+             "mlp_norm": r.norm(f"{p}post_attention_layernorm.weight", hidden, off)}
+        w |= _attention(r, f"{p}self_attn.", spec, off) if layer.mixer == "attention" else _gdn(r, f"{p}linear_attn.", spec, family)
+        w |= _mlp(r, f"{p}mlp.", spec, layer.mlp)
+        out[i] = w
+    weights = StageWeights(layers=out)
+    embed_shape = (spec.vocab_size, hidden)
+    if first or (last and spec.tie_embeddings):
+        weights.embed = r.get(f"{pre}embed_tokens.weight", embed_shape)
+    if last:
+        weights.final_norm = r.norm(f"{pre}norm.weight", hidden, off)
+        if spec.tie_embeddings or not r.has("lm_head.weight"):
+            if not spec.tie_embeddings:
+                raise CheckpointError(f"{ckpt.path}: tensor 'lm_head.weight' is missing and the config does not tie embeddings")
+            weights.lm_head = weights.embed
+        else:
+            weights.lm_head = r.get("lm_head.weight", embed_shape)
+        weights.mtp = {n: r.get(n) for n in sorted(r.names) if n.startswith("mtp.")}
+        if not first and spec.tie_embeddings:
+            weights.embed = None  # the last stage keeps only the head
+    return weights
+
+
+def count_mtp_layers(names: list[str]) -> int:
+    ids = {n.split(".")[2] for n in names if n.startswith("mtp.layers.")}
+    return len(ids)

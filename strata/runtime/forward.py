@@ -1,0 +1,108 @@
+"""One forward pass over a window: per-row parts run once over all rows, per-sequence parts per segment."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.attention import attention
+from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
+from strata.kernels.moe import moe, swiglu
+from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
+from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from strata.model.spec import ModelSpec
+from strata.model.weights import StageWeights, Tensors
+from strata.runtime.window import Window
+
+
+class Forward:
+    """Runs a stage's layers over windows. Holds no per-sequence state: that lives in the window's segments."""
+
+    def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype):
+        self.spec, self.weights, self.device, self.dtype = spec, weights, device, dtype
+        a = spec.attention
+        self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
+        self.scale = a.head_dim**-0.5
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weights.embed)  # [R, hidden]
+
+    def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
+        cos, sin = rope_cos_sin(window.positions, self.inv_freq, self.dtype)
+        eps = self.spec.rms_eps
+        for i, w in self.weights.layers.items():
+            h = rms_norm(x, w["attn_norm"], eps)
+            if self.spec.layers[i].mixer == "attention":
+                h = self._attention(i, w, h, window, cos, sin)
+            else:
+                h = self._gdn(i, w, h, window)
+            x = x + h
+            h = rms_norm(x, w["mlp_norm"], eps)
+            x = x + self._mlp(i, w, h)
+        return x
+
+    def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
+        h = rms_norm(x[window.logit_rows], self.weights.final_norm, self.spec.rms_eps)
+        return F.linear(h, self.weights.lm_head).float()  # [N, V]
+
+    def __call__(self, window: Window) -> torch.Tensor:
+        return self.head(self.layers(self.embed(window.tokens), window), window)
+
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin) -> torch.Tensor:
+        a = self.spec.attention
+        r, d = x.shape[0], a.head_dim
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+        q_out = a.num_heads * d * (2 if a.output_gate else 1)
+        q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
+        gate = None
+        if a.output_gate:  # per head: [q | gate]
+            q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(r, -1)
+        q = q.reshape(r, a.num_heads, d)
+        k = k.reshape(r, a.num_kv_heads, d)
+        v = v.reshape(r, a.num_kv_heads, d)
+        if a.qk_norm:
+            q = rms_norm(q, w["q_norm"], self.spec.rms_eps)
+            k = rms_norm(k, w["k_norm"], self.spec.rms_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.empty_like(q)
+        for seg in window.segments:
+            rows = slice(seg.start, seg.stop)
+            end = seg.first_pos + seg.num_rows
+            k_cells, v_cells = seg.state.k[i], seg.state.v[i]
+            k_cells[seg.first_pos : end] = k[rows]
+            v_cells[seg.first_pos : end] = v[rows]
+            out[rows] = attention(q[rows], k_cells[:end], v_cells[:end], window.positions[rows], self.scale)
+        out = out.reshape(r, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, w["o"])
+
+    def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window) -> torch.Tensor:
+        g = self.spec.gdn
+        r = x.shape[0]
+        proj = F.linear(x, w["in_proj"])
+        mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
+        beta = torch.sigmoid(b)
+        decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv] log decay
+        out = torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
+        for seg in window.segments:
+            rows = slice(seg.start, seg.stop)
+            state = seg.state
+            conv_out, state.conv[i] = causal_conv1d(mixed[rows], w["conv"], state.conv[i])
+            q, k, v = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+            n = seg.num_rows
+            q = q.reshape(n, g.num_k_heads, g.k_head_dim)
+            k = k.reshape(n, g.num_k_heads, g.k_head_dim)
+            v = v.reshape(n, g.num_v_heads, g.v_head_dim)
+            rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
+            out[rows], state.recurrent[i] = rule(q, k, v, decay[rows], beta[rows], state.recurrent[i])
+        out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
+        return F.linear(out.reshape(r, -1), w["out"])
+
+    def _mlp(self, i: int, w: Tensors, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.layers[i].mlp == "dense":
+            return swiglu(x, w["gate_up"], w["down"])
+        m = self.spec.moe
+        shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
+        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"))

@@ -1,0 +1,194 @@
+"""Per-row token sampling for a window of rows that may belong to different sequences.
+
+A row's token depends only on its logits, its settings, its seed and its position, never on the
+other rows of the window: every step below works along the vocabulary of one row, and the random
+number comes from a counter-based generator keyed by (seed, position) instead of a shared stream.
+So a conversation samples the same tokens alone or batched, and a replay from the same position
+gives the same token. Nothing here reads a tensor back to the host.
+
+Penalties take two dense per-row tensors that the caller keeps beside its sequences (a decode step
+adds one count with a scatter; `token_counts` builds them from id lists):
+  seen_prompt       bool [R, V]  the token occurs in the prompt (repetition penalty only)
+  generated_counts  int  [R, V]  how often the token occurs in the output so far (all three)
+"""
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from strata.errors import StrataError
+
+_M32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax; ties -> lowest id)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0  # on prompt + output tokens: divide a positive logit, multiply a negative
+    presence_penalty: float = 0.0  # on output tokens: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0  # on output tokens: logit -= frequency * count
+
+    def validate(self) -> None:
+        """Raise StrataError naming the first bad field. Call once, when a request is admitted."""
+        checks = (
+            ("temperature", self.temperature, self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0 (0 = off)"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed < 2**63, "must be an int in [0, 2**63)"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+        )
+        for name, value, ok, rule in checks:
+            # `ok` is False for NaN, since every comparison with NaN is.
+            if not ok:
+                raise StrataError(f"sampling setting {name}={value!r} is invalid: it {rule}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small per-row tensor on `device`, copied from pinned memory so a CUDA stream does not wait."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """High and low 32 bits of a * b for a 32-bit constant a and 32-bit words b, without int64 overflow."""
+    p_lo = a * (b & 0xFFFF)  # < 2**48
+    p_hi = a * (b >> 16)  # < 2**48
+    low_sum = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2**49
+    return (p_hi >> 16) + (low_sum >> 32), low_sum & _M32
+
+
+def philox4x32(counter: Tensor, key: Tensor, rounds: int = 10) -> Tensor:
+    """Philox4x32-R (Salmon et al. 2011, Random123). counter int64 [..., 4], key int64 [..., 2], each
+    word in [0, 2**32). Returns the four output words, int64 [..., 4]."""
+    c0, c1, c2, c3 = counter.unbind(-1)
+    k0, k1 = key.unbind(-1)
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _M32, (k1 + _PHILOX_W[1]) & _M32
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+def philox_uniform(seed: Tensor, counter: Tensor) -> Tensor:
+    """seed, counter: int64 [R]; returns float32 [R] uniform in [0, 1).
+
+    Philox4x32-10 with key = (seed low word, seed high word) and counter = (counter low word,
+    counter high word, 0, 0); the top 24 bits of output word 0 become the float, exactly."""
+    key = torch.stack((seed & _M32, (seed >> 32) & _M32), dim=-1)
+    zero = torch.zeros_like(counter)
+    ctr = torch.stack((counter & _M32, (counter >> 32) & _M32, zero, zero), dim=-1)
+    word = philox4x32(ctr, key)[..., 0]
+    return (word >> 8).to(torch.float32) * 2.0**-24
+
+
+def token_counts(ids: Tensor, vocab_size: int) -> Tensor:
+    """ids int64 [R, L], padded with -1 -> int32 [R, V]: how often each token occurs in each row."""
+    num_rows = ids.shape[0]
+    slots = torch.where(ids < 0, vocab_size, ids)  # padding lands in a spare column, dropped below
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    seen_prompt: Tensor | None = None,
+    generated_counts: Tensor | None = None,
+) -> Tensor:
+    """logits [R, V]; seen_prompt bool [R, V] or None; generated_counts int [R, V] or None.
+
+    Returns new logits (same dtype) with, per row, the repetition penalty applied to every token seen
+    in prompt or output, then presence and frequency subtracted for output tokens. Rows whose three
+    penalties are neutral keep their logits bitwise; with no such row the input itself is returned."""
+    if not any(p.has_penalties for p in params):
+        return logits
+    device, dtype = logits.device, logits.dtype
+    rep = _row_tensor([p.repetition_penalty for p in params], dtype, device)[:, None]
+    presence = _row_tensor([p.presence_penalty for p in params], dtype, device)[:, None]
+    frequency = _row_tensor([p.frequency_penalty for p in params], dtype, device)[:, None]
+    active = _row_tensor([p.has_penalties for p in params], torch.bool, device)[:, None]
+
+    counts = generated_counts if generated_counts is not None else torch.zeros_like(logits, dtype=torch.int32)
+    in_output = counts > 0
+    seen = in_output | seen_prompt if seen_prompt is not None else in_output
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - frequency * counts.to(dtype) - presence * in_output.to(dtype)
+    return torch.where(active, out, logits)
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    positions: Tensor,
+    seen_prompt: Tensor | None = None,
+    generated_counts: Tensor | None = None,
+) -> Tensor:
+    """logits [R, V] float; params one per row (already validated); positions int64 [R], the
+    position the sampled token will take. Penalty inputs as in `apply_penalties`.
+
+    Returns token ids int64 [R]. Greedy rows: argmax. Sampled rows: logits / temperature, softmax in
+    float32, keep the top_k, then the smallest prefix of the sorted probabilities whose mass reaches
+    top_p (of what top_k kept), then the tokens with p >= min_p * p_max; renormalise and pick by
+    inverse CDF with u = philox_uniform(seed, position). Ties in the sort go to the lowest id."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"sample: {len(params)} params for {logits.shape[0]} rows")
+    logits = apply_penalties(logits, params, seen_prompt, generated_counts)
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return greedy_ids
+
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, device)
+    temperature = _row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
+    top_k = _row_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
+    top_p = _row_tensor([p.top_p for p in params], torch.float32, device)
+    min_p = _row_tensor([p.min_p for p in params], torch.float32, device)
+    seed = _row_tensor([p.seed for p in params], torch.int64, device)
+
+    x = logits.float()
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # max 0 first: a tiny T cannot overflow
+    x_sorted, order = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    probs = x_sorted.softmax(dim=-1)  # [R, V], descending
+
+    # Each filter keeps a prefix of the sorted order, and every one keeps the first token.
+    rank = torch.arange(vocab_size, device=device)
+    keep = rank[None, :] < top_k[:, None]
+    probs = probs.masked_fill(~keep, 0.0)
+    cum = probs.cumsum(dim=-1)
+    keep &= (cum - probs) < top_p[:, None] * cum[:, -1:]  # mass before the token is short of top_p
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(~keep, 0.0)
+
+    cum = probs.cumsum(dim=-1)  # [R, V]
+    u = philox_uniform(seed, positions.to(torch.int64))
+    target = (u * cum[:, -1])[:, None]
+    pick = torch.searchsorted(cum, target, right=True)  # first rank whose cumulative mass exceeds u
+    pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)  # rounding at the top end
+    sampled_ids = order.gather(-1, pick).squeeze(-1)
+    return torch.where(greedy, greedy_ids, sampled_ids)
