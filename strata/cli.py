@@ -1,0 +1,117 @@
+"""The `strata` command: `strata generate ...` (more subcommands come with the engine process and the server)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
+
+from strata.config import GenerateSettings, use_config_file
+from strata.errors import StrataError
+
+
+def _prompt_ids(s: GenerateSettings, tokenizer) -> list[int]:
+    if s.prompt_ids is not None:
+        if s.prompt is not None:
+            raise StrataError("give either --prompt or --prompt-ids, not both")
+        try:
+            return [int(t) for t in s.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise StrataError(f"--prompt-ids {s.prompt_ids!r}: expected integers separated by spaces") from None
+    if s.prompt is None:
+        raise StrataError("nothing to generate from: give --prompt TEXT or --prompt-ids \"1 2 3\"")
+    if tokenizer is None:
+        raise StrataError(f"{s.model}: the checkpoint has no tokenizer; give --prompt-ids instead of --prompt")
+    if s.chat:
+        return tokenizer.encode_chat([{"role": "user", "content": s.prompt}])
+    return tokenizer.encode(s.prompt)
+
+
+def run_generate(s: GenerateSettings) -> None:
+    from strata.model.loader import ModelFiles
+    from strata.runtime.generate import Engine
+    from strata.runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed)
+    params.validate()
+    start = time.perf_counter()
+    files = ModelFiles.open(s.model)
+    prompt = _prompt_ids(s, files.tokenizer)
+    engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
+                    prefill_chunk=s.prefill_chunk)
+    engine.check_prompt(prompt)
+    loaded = time.perf_counter()
+    tok = files.tokenizer
+    if s.json_output:
+        gen = engine.generate(prompt, s.max_tokens, params)
+        text = tok.decode(gen.ids, skip_special_tokens=True) if tok else None
+        print(json.dumps({"prompt_ids": prompt, "ids": gen.ids, "text": text, "finish_reason": gen.finish_reason}))
+        return
+    count, reason = 0, "length"
+    for token, reason in engine.stream(prompt, s.max_tokens, params) if s.max_tokens else ():
+        count += 1
+        piece = tok.decode([token], skip_special_tokens=True) if tok else f"{token} "
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    done = time.perf_counter()
+    print()
+    print(f"[{count} tokens, {reason}; load {loaded - start:.2f} s, {count / max(done - loaded, 1e-9):.1f} tokens/s]",
+          file=sys.stderr)
+
+
+class Generate(GenerateSettings):
+    """Generate text from a prompt with one model on one device."""
+
+    def cli_cmd(self) -> None:
+        run_generate(self)
+
+
+class Strata(BaseSettings):
+    """Strata: an inference engine for large Mixture-of-Experts language models."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True, cli_prog_name="strata")
+    generate: CliSubCommand[Generate]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def _take_config(argv: list[str]) -> list[str]:
+    """Pull `--config FILE` out of argv (it names where the other settings come from)."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg == "--config":
+            use_config_file(next(it, None) or "")
+        elif arg.startswith("--config="):
+            use_config_file(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    return out
+
+
+def _explain(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        field = "--" + str(err["loc"][-1]).replace("_", "-") if err["loc"] else "input"
+        parts.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        CliApp.run(Strata, cli_args=_take_config(argv))
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        print(f"strata: error: {_explain(e)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Every option is one field of a pydantic-settings model: a CLI flag (`--max-cells`), an environment
+variable (`STRATA_MAX_CELLS`) and a key of a config file (`max_cells`), with one name and one default.
+
+Precedence: command line, then environment, then the config file named by `--config` (or
+`STRATA_CONFIG`), then the default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import AliasChoices, Field
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from strata.errors import StrataError
+
+_config_file: Path | None = None
+
+
+def use_config_file(path: str | Path | None) -> None:
+    """Name the config file that settings read (the CLI calls this before parsing)."""
+    global _config_file
+    if path is None:
+        _config_file = None
+        return
+    path = Path(path)
+    if not path.is_file():
+        raise StrataError(f"config file {path} does not exist")
+    if path.suffix not in (".json", ".toml"):
+        raise StrataError(f"config file {path}: use a .json or .toml file")
+    _config_file = path
+
+
+class StrataSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STRATA_", cli_kebab_case=True, cli_implicit_flags=True, extra="ignore", validate_default=True
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file or (Path(os.environ["STRATA_CONFIG"]) if os.environ.get("STRATA_CONFIG") else None)
+        if path is not None:
+            if path.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+        return tuple(sources)
+
+
+class EngineSettings(StrataSettings):
+    model: str = Field("default", description="a Hugging Face model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype; auto is float32 on the CPU and bfloat16 on a GPU"
+    )
+    max_cells: int = Field(4096, gt=0, description="positions each sequence can hold (prompt + answer)")
+    prefill_chunk: int = Field(512, gt=0, description="rows per window while reading a prompt")
+
+    def torch_device(self) -> torch.device:
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise StrataError(f"--device {self.device!r} is not a device; use cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise StrataError(f"--device {self.device}: no CUDA GPU is visible here; use --device cpu")
+        return device
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)
+
+
+class GenerateSettings(EngineSettings):
+    prompt: str | None = Field(None, description="the prompt text")
+    chat: bool = Field(False, description="wrap the prompt as a user message in the model's chat template")
+    prompt_ids: str | None = Field(None, description='the prompt as token ids, e.g. "1 2 3" (instead of --prompt)')
+    max_tokens: int = Field(64, ge=0, description="tokens to generate at most")
+    temperature: float = Field(0.0, description="0 is greedy")
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    json_output: bool = Field(
+        False, validation_alias=AliasChoices("json", "json_output"),
+        description="print one JSON object with prompt_ids, ids, text and finish_reason",
+    )
