@@ -32,18 +32,13 @@ def ckpt():
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict():
-    import transformers  # needs `accelerate` too, for GGUF files
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        GGUF_PATH.parent, gguf_file=GGUF_PATH.name, dtype=torch.float32
-    )
-    return model.state_dict()
+def hf_state_dict(hf_default_model):
+    return hf_default_model.state_dict()
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    import transformers
-    return transformers.AutoTokenizer.from_pretrained(GGUF_PATH.parent, gguf_file=GGUF_PATH.name)
+def hf_tokenizer(hf_default_tokenizer):
+    return hf_default_tokenizer
 
 
 def test_config(ckpt):
