@@ -45,7 +45,7 @@ def run_generate(s: GenerateSettings) -> None:
     engine.check_prompt(prompt)
     loaded = time.perf_counter()
     tok = files.tokenizer
-    if s.json_output:
+    if s.json:
         gen = engine.generate(prompt, s.max_tokens, params)
         text = tok.decode(gen.ids, skip_special_tokens=True) if tok else None
         print(json.dumps({"prompt_ids": prompt, "ids": gen.ids, "text": text, "finish_reason": gen.finish_reason}))

@@ -8,11 +8,12 @@ Precedence: command line, then environment, then the config file named by `--con
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import AliasChoices, Field
+from pydantic import Field
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -24,6 +25,9 @@ from pydantic_settings import (
 from strata.errors import StrataError
 
 _config_file: Path | None = None
+
+# `json` is the option's one name (flag, variable, key); it shadows pydantic's deprecated BaseModel.json().
+warnings.filterwarnings("ignore", message='Field name "json" in "GenerateSettings" shadows')
 
 
 def use_config_file(path: str | Path | None) -> None:
@@ -91,7 +95,4 @@ class GenerateSettings(EngineSettings):
     top_k: int = 0
     min_p: float = 0.0
     seed: int = 0
-    json_output: bool = Field(
-        False, validation_alias=AliasChoices("json", "json_output"),
-        description="print one JSON object with prompt_ids, ids, text and finish_reason",
-    )
+    json: bool = Field(False, description="print one JSON object with prompt_ids, ids, text and finish_reason")
