@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attention
+from strata.kernels.linear import invariant_linear
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
 from strata.kernels.moe import moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -30,28 +31,29 @@ class Forward:
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         cos, sin = rope_cos_sin(window.positions, self.inv_freq, self.dtype)
         eps = self.spec.rms_eps
+        lin = _linear_for(window)
         for i, w in self.weights.layers.items():
             h = rms_norm(x, w["attn_norm"], eps)
             if self.spec.layers[i].mixer == "attention":
-                h = self._attention(i, w, h, window, cos, sin)
+                h = self._attention(i, w, h, window, cos, sin, lin)
             else:
-                h = self._gdn(i, w, h, window)
+                h = self._gdn(i, w, h, window, lin)
             x = x + h
             h = rms_norm(x, w["mlp_norm"], eps)
-            x = x + self._mlp(i, w, h)
+            x = x + self._mlp(i, w, h, lin)
         return x
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         h = rms_norm(x[window.logit_rows], self.weights.final_norm, self.spec.rms_eps)
-        return F.linear(h, self.weights.lm_head).float()  # [N, V]
+        return _linear_for(window)(h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
         return self.head(self.layers(self.embed(window.tokens), window), window)
 
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin) -> torch.Tensor:
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, lin) -> torch.Tensor:
         a = self.spec.attention
         r, d = x.shape[0], a.head_dim
-        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+        qkv = lin(x, w["qkv"], w.get("qkv_bias"))
         q_out = a.num_heads * d * (2 if a.output_gate else 1)
         q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
         gate = None
@@ -76,12 +78,12 @@ class Forward:
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, w["o"])
+        return lin(out, w["o"])
 
-    def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window) -> torch.Tensor:
+    def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, lin) -> torch.Tensor:
         g = self.spec.gdn
         r = x.shape[0]
-        proj = F.linear(x, w["in_proj"])
+        proj = lin(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
         beta = torch.sigmoid(b)
         decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv] log decay
@@ -98,11 +100,16 @@ class Forward:
             rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
             out[rows], state.recurrent[i] = rule(q, k, v, decay[rows], beta[rows], state.recurrent[i])
         out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
-        return F.linear(out.reshape(r, -1), w["out"])
+        return lin(out.reshape(r, -1), w["out"])
 
-    def _mlp(self, i: int, w: Tensors, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, w: Tensors, x: torch.Tensor, lin) -> torch.Tensor:
         if self.spec.layers[i].mlp == "dense":
-            return swiglu(x, w["gate_up"], w["down"])
+            return swiglu(x, w["gate_up"], w["down"], lin)
         m = self.spec.moe
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
-        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"))
+        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"), lin)
+
+
+def _linear_for(window: Window):
+    """Decode windows (one row per sequence) multiply row-invariantly, so batched rows equal solo rows."""
+    return invariant_linear if window.is_decode else F.linear

@@ -34,6 +34,11 @@ class Window:
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def is_decode(self) -> bool:
+        """One row per sequence: the shape of a solo decode step and of a batch window."""
+        return len(self.segments) == self.num_rows
+
     @classmethod
     def build(cls, parts: list[tuple[SessionState, list[int], bool]], device: torch.device) -> "Window":
         """parts: (state, token ids continuing that state, whether every row wants logits — else only the last)."""
