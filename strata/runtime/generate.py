@@ -34,6 +34,12 @@ class Engine:
         self.weights = files.load(self.device, dtype)
         self.forward = Forward(self.spec, self.weights, self.device, dtype)
 
+    def init_slots(self, num_slots: int) -> "Slots":
+        """Batch slots that decode several sequences together (see `strata.runtime.slots`)."""
+        from strata.runtime.slots import Slots
+
+        return Slots(self, num_slots)
+
     def new_state(self) -> SessionState:
         return SessionState(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype)
 

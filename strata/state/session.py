@@ -43,7 +43,9 @@ class SessionState:
                 f"({self.length} held + {n} new); shorten the prompt or raise --max-cells"
             )
 
+    @torch.inference_mode()
     def reset(self) -> None:
+        """Forget the sequence (K/V cells need no clearing: only cells below `length` are ever read)."""
         self.length = 0
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()

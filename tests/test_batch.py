@@ -1,0 +1,120 @@
+"""Batch slots: conversations decoded together give exactly the tokens each gets alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from strata.errors import StrataError
+from strata.model.loader import ModelFiles
+from strata.runtime.generate import Engine
+from strata.runtime.sampling import SamplingParams
+from tests.tiny_models import CASES, VOCAB, build
+
+NEW = 150
+NO_STOP = frozenset()
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 31 + j * 7 + 3) % VOCAB for j in range(5 + 9 * i)]  # 5 .. 68 tokens: some longer than a GDN chunk
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engine(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param, folder)
+    return Engine(ModelFiles.open(folder), max_cells=512)
+
+
+def drain(slots, sync: bool = True) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    while slots.active:
+        if sync:
+            events = slots.commit_slots(slots.run_slots())
+        else:
+            sw = slots.batch_launch()
+            while (events := slots.batch_poll(sw)) is None:
+                time.sleep(1e-4)  # the host is free meanwhile (a pipeline serves other stages here)
+        for e in events:
+            out.setdefault(e.slot, []).append(e.token)
+    return out
+
+
+def test_eight_conversations_equal_their_solo_runs(engine):
+    solo = [engine.generate(prompt(i), NEW, stop_ids=NO_STOP).ids for i in range(8)]
+    slots = engine.init_slots(8)
+    first = {i: slots.admit(i, prompt(i), NEW, stop_ids=NO_STOP).token for i in range(8)}
+    rest = drain(slots)
+    batched = [[first[i], *rest[i]] for i in range(8)]
+    for i in range(8):
+        assert batched[i] == solo[i], f"conversation {i} drifted from its solo run"
+
+
+def test_staggered_admissions_and_a_reused_slot(engine):
+    slots = engine.init_slots(4)
+    got: dict[str, list[int]] = {}
+    names = {0: "a", 1: "b"}
+    for i, name in names.items():
+        got[name] = [slots.admit(i, prompt(i), 60, stop_ids=NO_STOP).token]
+    for step in range(40):
+        if step == 10:  # a slot that joins mid-flight
+            names[2] = "c"
+            got["c"] = [slots.admit(2, prompt(5), 60, stop_ids=NO_STOP).token]
+        if step == 20:  # one stopped early, its slot reused for a new conversation
+            assert slots.stop(1)
+            names[1] = "d"
+            got["d"] = [slots.admit(1, prompt(3), 30, stop_ids=NO_STOP).token]
+        for e in slots.commit_slots(slots.run_slots()):
+            got[names[e.slot]].append(e.token)
+    for name, events in drain(slots).items():
+        got[names[name]] += events
+    assert got["a"] == engine.generate(prompt(0), 60, stop_ids=NO_STOP).ids
+    assert got["c"] == engine.generate(prompt(5), 60, stop_ids=NO_STOP).ids
+    assert got["d"] == engine.generate(prompt(3), 30, stop_ids=NO_STOP).ids
+    b_solo = engine.generate(prompt(1), 60, stop_ids=NO_STOP).ids
+    assert got["b"] == b_solo[: len(got["b"])] and len(got["b"]) == 21
+
+
+SAMPLED = [
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=1.2, top_p=0.9, seed=2),
+    SamplingParams(temperature=0.7, top_k=5, seed=3, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, min_p=0.1, seed=4, presence_penalty=0.5, frequency_penalty=0.4),
+    SamplingParams(),  # a greedy neighbour
+    SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3),  # greedy with penalties
+]
+
+
+def test_sampled_answers_do_not_depend_on_neighbours(engine):
+    solo = [engine.generate(prompt(i), 40, p, stop_ids=NO_STOP).ids for i, p in enumerate(SAMPLED)]
+    slots = engine.init_slots(len(SAMPLED))
+    first = {i: slots.admit(i, prompt(i), 40, p, stop_ids=NO_STOP).token for i, p in enumerate(SAMPLED)}
+    rest = drain(slots, sync=False)
+    assert [[first[i], *rest[i]] for i in range(len(SAMPLED))] == solo
+
+
+def test_stop_tokens_and_length_end_a_slot(engine):
+    ids = engine.generate(prompt(2), 12, stop_ids=NO_STOP).ids
+    slots = engine.init_slots(2)
+    events = [slots.admit(0, prompt(2), 12, stop_ids=frozenset({ids[5]})), slots.admit(1, prompt(2), 3, stop_ids=NO_STOP)]
+    while slots.active:
+        events += slots.commit_slots(slots.run_slots())
+    done = {e.slot: e for e in events if e.finish_reason}
+    assert done[0].finish_reason == "stop" and done[0].token == ids[5]
+    assert done[1].finish_reason == "length"
+    assert slots.slots[0].generated == ids[: ids.index(ids[5]) + 1]
+
+
+def test_admission_errors(engine):
+    slots = engine.init_slots(2)
+    slots.admit(0, prompt(0), 5)
+    with pytest.raises(StrataError, match="busy"):
+        slots.admit(0, prompt(1), 5)
+    with pytest.raises(StrataError, match="slot 7 does not exist"):
+        slots.admit(7, prompt(1), 5)
+    with pytest.raises(StrataError, match="vocabulary"):
+        slots.admit(1, [1, VOCAB + 5], 5)
+    with pytest.raises(StrataError, match="max_cells"):
+        slots.admit(1, [1] * 600, 5)
+    assert slots.active == [0]  # the failures left the running slot alone
