@@ -9,7 +9,7 @@ import time
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
 
-from strata.config import GenerateSettings, use_config_file
+from strata.config import EngineSettings, GenerateSettings, use_config_file
 from strata.errors import StrataError
 
 
@@ -69,11 +69,31 @@ class Generate(GenerateSettings):
         run_generate(self)
 
 
+def run_engine(s: EngineSettings) -> None:
+    from strata.model.loader import ModelFiles
+    from strata.runtime.generate import Engine
+    from strata.runtime.pipe import Pipe
+    from strata.runtime.scheduler import Scheduler
+
+    engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
+                    prefill_chunk=s.prefill_chunk)
+    pipe = Pipe(sys.stdin, sys.stdout)
+    pipe.serve(Scheduler(engine, s.batch, pipe.emit))
+
+
+class EngineCommand(EngineSettings):
+    """Run the engine process: commands on stdin, events on stdout, one line each (docs/PROTOCOL.md)."""
+
+    def cli_cmd(self) -> None:
+        run_engine(self)
+
+
 class Strata(BaseSettings):
     """Strata: an inference engine for large Mixture-of-Experts language models."""
 
     model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True, cli_prog_name="strata")
     generate: CliSubCommand[Generate]
+    engine: CliSubCommand[EngineCommand]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

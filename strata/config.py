@@ -69,6 +69,7 @@ class EngineSettings(StrataSettings):
     )
     max_cells: int = Field(4096, gt=0, description="positions each sequence can hold (prompt + answer)")
     prefill_chunk: int = Field(512, gt=0, description="rows per window while reading a prompt")
+    batch: int = Field(0, ge=0, le=256, description="batch slots decoded together (0: solo only)")
 
     def torch_device(self) -> torch.device:
         try:

@@ -67,12 +67,15 @@ class Engine:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-               stop_ids: frozenset[int] | None = None) -> Iterator[tuple[int, str | None]]:
-        """Yield (token, finish_reason) pairs; finish_reason is None until the last token."""
+               stop_ids: frozenset[int] | None = None, state: SessionState | None = None) -> Iterator[tuple[int, str | None]]:
+        """Yield (token, finish_reason) pairs; finish_reason is None until the last token. `state` is reused when given."""
         self.check_prompt(prompt_ids)
         params.validate()
         stops = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer else (stop_ids or frozenset())
-        state = self.new_state()
+        if state is None:
+            state = self.new_state()
+        else:
+            state.reset()
         logits = self.run(state, prompt_ids)
         history = list(prompt_ids)
         for n in range(max_new_tokens):
