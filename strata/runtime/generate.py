@@ -9,6 +9,8 @@ import torch
 
 from strata.errors import PromptTooLong, StrataError
 from strata.model.loader import ModelFiles
+from strata.model.spec import ModelSpec
+from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
 from strata.runtime.sampling import SamplingParams, sample, token_counts
 from strata.runtime.window import Window
@@ -25,13 +27,16 @@ class Generation:
 class Engine:
     """One model on one device, decoding sequences through the window forward pass."""
 
-    def __init__(self, files: ModelFiles, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_cells: int = 4096, prefill_chunk: int = 512):
-        self.files, self.spec, self.tokenizer = files, files.spec, files.tokenizer
+    def __init__(self, files: ModelFiles | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
+                 weights: StageWeights | None = None):
+        """Load `files` onto `device`; or, for benchmarks, run given `spec` + `weights` (no tokenizer)."""
+        self.spec = files.spec if files is not None else spec
+        self.tokenizer = files.tokenizer if files is not None else None
         self.device, self.dtype = torch.device(device), dtype
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
-        self.weights = files.load(self.device, dtype)
+        self.weights = files.load(self.device, dtype) if files is not None else weights
         self.forward = Forward(self.spec, self.weights, self.device, dtype)
 
     def init_slots(self, num_slots: int) -> "Slots":
