@@ -9,16 +9,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.invariant import plain
+
+
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D]; weight: [D] float32 -> x / rms(x) * weight, in float32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D]; weight: [D] float32."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight).to(x.dtype)
+    return rms_normalize(x, weight, eps).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Norm each head vector of x, scale by weight, multiply by silu(gate). x, gate: [..., D]; weight: [D]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight * F.silu(gate.float())).to(x.dtype)
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, rows=plain) -> torch.Tensor:
+    """Norm each head vector of x, scale by weight, multiply by silu(gate). x, gate: [R, ..., D]; weight: [D].
+
+    `rows` runs the per-row reduction (pass `in_row_blocks` for row-invariant decode windows)."""
+    return (rows(rms_normalize, x, weight, eps) * F.silu(gate.float())).to(x.dtype)

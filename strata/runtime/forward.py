@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attention
-from strata.kernels.linear import invariant_linear
+from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
 from strata.kernels.moe import moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -31,29 +31,30 @@ class Forward:
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         cos, sin = rope_cos_sin(window.positions, self.inv_freq, self.dtype)
         eps = self.spec.rms_eps
-        lin = _linear_for(window)
+        rows = _rows_for(window)
         for i, w in self.weights.layers.items():
-            h = rms_norm(x, w["attn_norm"], eps)
+            h = rows(rms_norm, x, w["attn_norm"], eps)
             if self.spec.layers[i].mixer == "attention":
-                h = self._attention(i, w, h, window, cos, sin, lin)
+                h = self._attention(i, w, h, window, cos, sin, rows)
             else:
-                h = self._gdn(i, w, h, window, lin)
+                h = self._gdn(i, w, h, window, rows)
             x = x + h
-            h = rms_norm(x, w["mlp_norm"], eps)
-            x = x + self._mlp(i, w, h, lin)
+            h = rows(rms_norm, x, w["mlp_norm"], eps)
+            x = x + self._mlp(i, w, h, rows)
         return x
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
-        h = rms_norm(x[window.logit_rows], self.weights.final_norm, self.spec.rms_eps)
-        return _linear_for(window)(h, self.weights.lm_head).float()  # [N, V]
+        rows = _rows_for(window)
+        h = rows(rms_norm, x[window.logit_rows], self.weights.final_norm, self.spec.rms_eps)
+        return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
         return self.head(self.layers(self.embed(window.tokens), window), window)
 
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, lin) -> torch.Tensor:
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, rows) -> torch.Tensor:
         a = self.spec.attention
         r, d = x.shape[0], a.head_dim
-        qkv = lin(x, w["qkv"], w.get("qkv_bias"))
+        qkv = rows(F.linear, x, w["qkv"], w.get("qkv_bias"))
         q_out = a.num_heads * d * (2 if a.output_gate else 1)
         q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
         gate = None
@@ -64,52 +65,52 @@ class Forward:
         k = k.reshape(r, a.num_kv_heads, d)
         v = v.reshape(r, a.num_kv_heads, d)
         if a.qk_norm:
-            q = rms_norm(q, w["q_norm"], self.spec.rms_eps)
-            k = rms_norm(k, w["k_norm"], self.spec.rms_eps)
+            q = rows(rms_norm, q, w["q_norm"], self.spec.rms_eps)
+            k = rows(rms_norm, k, w["k_norm"], self.spec.rms_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty_like(q)
         for seg in window.segments:
-            rows = slice(seg.start, seg.stop)
+            seg_rows = slice(seg.start, seg.stop)
             end = seg.first_pos + seg.num_rows
             k_cells, v_cells = seg.state.k[i], seg.state.v[i]
-            k_cells[seg.first_pos : end] = k[rows]
-            v_cells[seg.first_pos : end] = v[rows]
-            out[rows] = attention(q[rows], k_cells[:end], v_cells[:end], window.positions[rows], self.scale)
+            k_cells[seg.first_pos : end] = k[seg_rows]
+            v_cells[seg.first_pos : end] = v[seg_rows]
+            out[seg_rows] = attention(q[seg_rows], k_cells[:end], v_cells[:end], window.positions[seg_rows], self.scale)
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return lin(out, w["o"])
+        return rows(F.linear, out, w["o"])
 
-    def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, lin) -> torch.Tensor:
+    def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, rows) -> torch.Tensor:
         g = self.spec.gdn
         r = x.shape[0]
-        proj = lin(x, w["in_proj"])
+        proj = rows(F.linear, x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
         beta = torch.sigmoid(b)
         decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv] log decay
         out = torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
         for seg in window.segments:
-            rows = slice(seg.start, seg.stop)
+            seg_rows = slice(seg.start, seg.stop)
             state = seg.state
-            conv_out, state.conv[i] = causal_conv1d(mixed[rows], w["conv"], state.conv[i])
+            conv_out, state.conv[i] = causal_conv1d(mixed[seg_rows], w["conv"], state.conv[i])
             q, k, v = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
             n = seg.num_rows
             q = q.reshape(n, g.num_k_heads, g.k_head_dim)
             k = k.reshape(n, g.num_k_heads, g.k_head_dim)
             v = v.reshape(n, g.num_v_heads, g.v_head_dim)
             rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
-            out[rows], state.recurrent[i] = rule(q, k, v, decay[rows], beta[rows], state.recurrent[i])
-        out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
-        return lin(out.reshape(r, -1), w["out"])
+            out[seg_rows], state.recurrent[i] = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
+        out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
+        return rows(F.linear, out.reshape(r, -1), w["out"])
 
-    def _mlp(self, i: int, w: Tensors, x: torch.Tensor, lin) -> torch.Tensor:
+    def _mlp(self, i: int, w: Tensors, x: torch.Tensor, rows) -> torch.Tensor:
         if self.spec.layers[i].mlp == "dense":
-            return swiglu(x, w["gate_up"], w["down"], lin)
+            return rows(swiglu, x, w["gate_up"], w["down"])
         m = self.spec.moe
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
-        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"), lin)
+        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"), rows)
 
 
-def _linear_for(window: Window):
-    """Decode windows (one row per sequence) multiply row-invariantly, so batched rows equal solo rows."""
-    return invariant_linear if window.is_decode else F.linear
+def _rows_for(window: Window):
+    """Decode windows (one row per sequence) run per-row work row-invariantly, so batched rows equal solo rows."""
+    return in_row_blocks if window.is_decode else plain
