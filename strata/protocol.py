@@ -27,6 +27,7 @@ class Request:
     stop_ids: frozenset[int]
     ignore_eos: bool
     ids: list[int]
+    resume: int = 0  # the last `resume` ids were generated earlier by this request (BGEN moving a solo run into a slot)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def _request(words: list[str], verb: str) -> Request:
     sampling: dict = {}
     stop_ids: set[int] = set()
     ignore_eos = False
+    resume = 0
     ids: list[int] = []
     for word in words[1:]:
         if "=" not in word:
@@ -82,7 +84,7 @@ def _request(words: list[str], verb: str) -> Request:
         if ids:
             raise ProtocolError(f"key {word!r} after the token ids; keys come first")
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "resume"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -91,13 +93,15 @@ def _request(words: list[str], verb: str) -> Request:
                 sampling[key] = int(value)
             elif key == "stop":
                 stop_ids |= {int(v) for v in value.split(",") if v}
+            elif key == "resume":
+                resume = int(value)
             else:
                 ignore_eos = value not in ("0", "false", "")
         except ValueError:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
         raise ProtocolError(f"{verb} has no prompt token ids")
-    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids)
+    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, resume)
 
 
 def parse_command(line: str) -> Command:
@@ -131,6 +135,8 @@ def format_request(request: Request) -> str:
         keys.append("stop=" + ",".join(str(i) for i in sorted(request.stop_ids)))
     if request.ignore_eos:
         keys.append("ignore_eos=1")
+    if request.resume:
+        keys.append(f"resume={request.resume}")
     return " ".join([str(request.max_new), *keys, *map(str, request.ids)])
 
 

@@ -118,3 +118,28 @@ def test_admission_errors(engine):
     with pytest.raises(StrataError, match="max_cells"):
         slots.admit(1, [1] * 600, 5)
     assert slots.active == [0]  # the failures left the running slot alone
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED[3], SAMPLED[5]], ids=["greedy", "sampled", "penalties"])
+def test_a_solo_run_moved_into_a_slot_continues_exactly(engine, params):
+    """What the server does when a second request arrives: STOP the solo run, BGEN it into a slot with resume."""
+    from strata import protocol
+    from strata.runtime.scheduler import Scheduler
+
+    out: list[str] = []
+    sched = Scheduler(engine, 2, out.append)
+    keys = protocol.format_request(protocol.Request(60, params, frozenset(), True, prompt(4)))
+    sched.handle(f"GEN {keys}")
+    for _ in range(9):
+        sched.step()
+    sched.handle("STOP")
+    solo = [int(line.split()[1]) for line in out if line.startswith("T ")]
+    assert out[-1] == f"DONE abort {len(prompt(4))} {len(solo)}"
+    moved = protocol.Request(60, params, frozenset(), True, prompt(4) + solo, resume=len(solo))
+    sched.handle(f"BGEN 1 {protocol.format_request(moved)}")
+    assert sched.slots.reused == len(prompt(4)) + len(solo) - 1  # only the last token was read again
+    while sched.busy:
+        sched.step()
+    rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
+    assert out[-1] == f"BDONE 1 length {len(prompt(4))} 60"
+    assert solo + rest == engine.generate(prompt(4), 60, params, stop_ids=NO_STOP).ids

@@ -119,7 +119,9 @@ class Scheduler:
 
     def _admit(self, index: int, request: Request) -> None:
         slots = self._require_slots()
-        event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request))
+        prefix = self._solo_state if self._solo is None else None
+        event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request), prefix=prefix,
+                            resumed=request.resume)
         self.emit(protocol.badm(index, True))
         self._emit_slot_events([event])
 

@@ -65,6 +65,7 @@ class Slots:
         self.engine = engine
         self.slots = [Slot(engine.new_state()) for _ in range(num_slots)]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-window")
+        self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -79,26 +80,44 @@ class Slots:
         return self.slots[index]
 
     def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-              stop_ids: frozenset[int] | None = None) -> Event:
-        """Read the prompt into the slot (the solo path's prompt window) and sample its first token."""
+              stop_ids: frozenset[int] | None = None, prefix: SessionState | None = None, resumed: int = 0) -> Event:
+        """Read the prompt into the slot (the solo path's prompt window) and sample its first token.
+
+        When `prefix` (an idle sequence, e.g. the solo session just STOPped) holds a strict prefix of the prompt,
+        its state is copied and only the rest is read: a solo conversation moved into a slot continues exactly
+        as it would have alone (its last token is read by a one-row decode window). `resumed`: the last so many
+        prompt ids were generated earlier by this same request; they count as its output (for `max_new`, the
+        penalties and the reported counts)."""
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it (BSTOP) and wait for its BDONE first")
-        if max_new < 1:
-            raise StrataError(f"max_new {max_new}: a slot must generate at least one token")
+        if not 0 <= resumed < len(prompt_ids):
+            raise StrataError(f"resume={resumed}: it must leave at least one prompt token")
+        if max_new <= resumed:
+            raise StrataError(f"max_new {max_new}: a slot must generate at least one token (beyond resume={resumed})")
         self.engine.check_prompt(prompt_ids)
         params.validate()
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
         slot.state.reset()
-        slot.params, slot.max_new, slot.num_prompt, slot.generated = params, max_new, len(prompt_ids), []
+        num_prompt = len(prompt_ids) - resumed
+        slot.params, slot.max_new, slot.num_prompt = params, max_new, num_prompt
+        slot.generated = list(prompt_ids[num_prompt:])
         slot.seen_prompt = slot.counts = None
         if params.has_penalties:
-            vocab = self.engine.spec.vocab_size
-            slot.seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=self.engine.device)
-            slot.seen_prompt[torch.tensor(prompt_ids, device=self.engine.device)] = True
-            slot.counts = torch.zeros(vocab, dtype=torch.int32, device=self.engine.device)
-        logits = self.engine.run(slot.state, prompt_ids)
+            vocab, device = self.engine.spec.vocab_size, self.engine.device
+            slot.seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            slot.seen_prompt[torch.tensor(prompt_ids[:num_prompt], device=device)] = True
+            slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+            if resumed:
+                slot.counts.index_add_(0, torch.tensor(slot.generated, device=device),
+                                       torch.ones(resumed, dtype=torch.int32, device=device))
+        rest = prompt_ids
+        if prefix is not None and 0 < prefix.length < len(prompt_ids) and prompt_ids[: prefix.length] == prefix.tokens:
+            slot.state.copy_from(prefix)
+            rest = prompt_ids[prefix.length :]
+        self.reused = len(prompt_ids) - len(rest)
+        logits = self.engine.run(slot.state, rest)
         slot.active = True
         return self._take(index, logits[-1:])[0]
 

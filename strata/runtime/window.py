@@ -56,5 +56,7 @@ class Window:
 
     def commit(self) -> None:
         """Every row was kept: advance each sequence past its rows."""
+        tokens = self.tokens.tolist()
         for seg in self.segments:
             seg.state.length = seg.first_pos + seg.num_rows
+            seg.state.tokens += tokens[seg.start : seg.stop]

@@ -19,6 +19,7 @@ class SessionState:
         self.layers = layers
         self.max_cells = max_cells
         self.length = 0
+        self.tokens: list[int] = []  # the committed tokens, cell by cell: what a later request may reuse
         att = spec.attention
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
@@ -47,8 +48,21 @@ class SessionState:
     def reset(self) -> None:
         """Forget the sequence (K/V cells need no clearing: only cells below `length` are ever read)."""
         self.length = 0
+        self.tokens = []
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()
+
+    @torch.inference_mode()
+    def copy_from(self, other: "SessionState") -> None:
+        """Become a copy of `other` (same layers): its committed K/V cells, GDN states and tokens."""
+        n = other.length
+        for i in self.k:
+            self.k[i][:n] = other.k[i][:n]
+            self.v[i][:n] = other.v[i][:n]
+        for i in self.conv:
+            self.conv[i].copy_(other.conv[i])
+            self.recurrent[i].copy_(other.recurrent[i])
+        self.length, self.tokens = n, list(other.tokens)
 
     def nbytes(self) -> int:
         tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())
