@@ -13,9 +13,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -26,9 +26,50 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ENGINE_INDEX = "0"  # vLLM v1 labels its single engine core "0"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 LIVE_WINDOW_S = 10.0
 NUM_LATENCY_SAMPLES = 200
 NUM_HISTORY = 50
+TOKEN_BUCKETS = None  # stands for build_1_2_5_buckets(max_model_len)
+# The series of vLLM v1's PrometheusStatLogger that Strata can fill: name after "vllm:", type, help, buckets.
+VLLM_METRICS = (
+    ("num_requests_running", Gauge, "Number of requests in model execution batches.", None),
+    ("num_requests_waiting", Gauge, "Number of requests waiting to be processed.", None),
+    ("kv_cache_usage_perc", Gauge, "KV-cache usage. 1 means 100 percent usage.", None),
+    ("gpu_cache_usage_perc", Gauge, "GPU KV-cache usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", None),
+    ("prompt_tokens", Counter, "Number of prefill tokens processed.", None),
+    ("generation_tokens", Counter, "Number of generation tokens processed.", None),
+    ("num_preemptions", Counter, "Cumulative number of preemption from the engine.", None),
+    ("prefix_cache_queries", Counter, "Prefix cache queries, in terms of number of queried tokens.", None),
+    ("prefix_cache_hits", Counter, "Prefix cache hits, in terms of number of cached tokens.", None),
+    ("gpu_prefix_cache_queries", Counter, "GPU prefix cache queries. DEPRECATED: Use vllm:prefix_cache_queries.", None),
+    ("gpu_prefix_cache_hits", Counter, "GPU prefix cache hits. DEPRECATED: Use vllm:prefix_cache_hits.", None),
+    ("spec_decode_num_drafts", Counter, "Number of spec decoding drafts.", None),
+    ("spec_decode_num_draft_tokens", Counter, "Number of draft tokens.", None),
+    ("spec_decode_num_accepted_tokens", Counter, "Number of accepted tokens.", None),
+    ("time_to_first_token_seconds", Histogram, "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("inter_token_latency_seconds", Histogram, "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    ("time_per_output_token_seconds", Histogram,
+     "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds.", ITL_BUCKETS),
+    ("request_time_per_output_token_seconds", Histogram, "Histogram of time_per_output_token_seconds per request.",
+     ITL_BUCKETS),
+    ("e2e_request_latency_seconds", Histogram, "Histogram of e2e request latency in seconds.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_queue_time_seconds", Histogram, "Histogram of time spent in WAITING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_inference_time_seconds", Histogram, "Histogram of time spent in RUNNING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_prefill_time_seconds", Histogram, "Histogram of time spent in PREFILL phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_decode_time_seconds", Histogram, "Histogram of time spent in DECODE phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("request_prompt_tokens", Histogram, "Number of prefill tokens processed.", TOKEN_BUCKETS),
+    ("request_generation_tokens", Histogram, "Number of generation tokens processed.", TOKEN_BUCKETS),
+    ("request_max_num_generation_tokens", Histogram, "Histogram of maximum number of requested generation tokens.",
+     TOKEN_BUCKETS),
+    ("request_params_max_tokens", Histogram, "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS),
+)
 # top-level numeric JSON keys exported as `strata:<key>` gauges
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
@@ -123,7 +164,12 @@ class _StrataCollector(Collector):
 
 
 class Metrics:
-    """All request and engine metrics of one served model, in its own registry; every method is thread-safe."""
+    """All request and engine metrics of one served model, in its own registry; every method is thread-safe.
+
+    Per request: queued() on arrival, scheduled() when its prompt starts being read, token() for each step that
+    emits tokens (it updates the record), finished() once. set_load() after each engine step corrects the
+    running/waiting counts that the request events keep.
+    """
 
     def __init__(self, model_name: str, max_model_len: int, num_slots: int):
         self.model_name = model_name
@@ -144,99 +190,41 @@ class Metrics:
         self._e2e: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._history: deque[dict] = deque(maxlen=NUM_HISTORY)
 
-        labels = [model_name, ENGINE_INDEX]
-        reg = self.registry
-
-        def gauge(name, doc):
-            return Gauge(name, doc, ["model_name", "engine"], registry=reg).labels(*labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, ["model_name", "engine"], registry=reg).labels(*labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, ["model_name", "engine"], buckets=buckets, registry=reg).labels(*labels)
-
-        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage_perc = gauge("vllm:gpu_cache_usage_perc",
-                                          "GPU KV-cache usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.")
-        self.gpu_prefix_cache_queries = counter("vllm:gpu_prefix_cache_queries",
-                                                "DEPRECATED: Use vllm:prefix_cache_queries instead.")
-        self.gpu_prefix_cache_hits = counter("vllm:gpu_prefix_cache_hits",
-                                             "DEPRECATED: Use vllm:prefix_cache_hits instead.")
-        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                                       "Number of accepted tokens.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          ["model_name", "engine", "finished_reason"], registry=reg)
-        self.request_success = {r: success.labels(model_name, ENGINE_INDEX, r) for r in FINISH_REASONS}
-        self._request_success_family = success
-
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.time_per_output_token = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-            ITL_BUCKETS)
-        self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
-                                                       "Histogram of time_per_output_token_seconds per request.",
-                                                       ITL_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
-                                            "Histogram of time spent in WAITING phase for request.",
-                                            REQUEST_LATENCY_BUCKETS)
-        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
-                                                "Histogram of time spent in RUNNING phase for request.",
-                                                REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                              "Histogram of time spent in PREFILL phase for request.",
-                                              REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
-                                             "Histogram of time spent in DECODE phase for request.",
-                                             REQUEST_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", token_buckets)
-        self.request_max_num_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
-            token_buckets)
-        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                                   "Histogram of the max_tokens request parameter.", token_buckets)
-        reg.register(_StrataCollector(self))
+        self._vllm = {}  # name after "vllm:" -> the series of this model and engine
+        for name, kind, doc, buckets in VLLM_METRICS:
+            extra = {"buckets": buckets or token_buckets} if kind is Histogram else {}
+            metric = kind(f"vllm:{name}", doc, ["model_name", "engine"], registry=self.registry, **extra)
+            self._vllm[name] = metric.labels(model_name, ENGINE_INDEX)
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        ["model_name", "engine", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self._request_success.labels(model_name, ENGINE_INDEX, reason)
+        self.registry.register(_StrataCollector(self))
 
     # events from the HTTP layer and the engine
 
     def set_engine_facts(self, facts: dict) -> None:
+        """The engine's READY facts, shown under "engine_facts"; values JSON cannot hold become strings."""
+        plain = (str, int, float, bool, list, dict, type(None))
         with self._lock:
-            self._engine_facts = dict(facts)
+            self._engine_facts = {str(k): v if isinstance(v, plain) else str(v) for k, v in facts.items()}
 
     def queued(self, rec: RequestRecord) -> None:
         with self._lock:
             self._waiting += 1
-            self.num_requests_waiting.set(self._waiting)
+            self._vllm["num_requests_waiting"].set(self._waiting)
 
     def scheduled(self, rec: RequestRecord, now: float) -> None:
         with self._lock:
             if rec.scheduled is not None or rec.finished is not None:
                 return
             rec.scheduled = now
-            self.request_queue_time.observe(now - rec.arrival)
+            self._vllm["request_queue_time_seconds"].observe(now - rec.arrival)
             self._waiting = max(self._waiting - 1, 0)
             self._running += 1
-            self.num_requests_waiting.set(self._waiting)
-            self.num_requests_running.set(self._running)
+            self._vllm["num_requests_waiting"].set(self._waiting)
+            self._vllm["num_requests_running"].set(self._running)
 
     def token(self, rec: RequestRecord, now: float, num_tokens: int = 1) -> None:
         """`num_tokens` tokens of `rec` came out at `now` (more than one when drafts were accepted)."""
@@ -247,16 +235,16 @@ class Metrics:
                 self.scheduled(rec, now)
             if rec.first_token is None:
                 rec.first_token = now
-                self.time_to_first_token.observe(now - rec.arrival)
-                self.request_prefill_time.observe(now - rec.scheduled)
-                self.prompt_tokens.inc(rec.prompt_tokens)
+                self._vllm["time_to_first_token_seconds"].observe(now - rec.arrival)
+                self._vllm["request_prefill_time_seconds"].observe(now - rec.scheduled)
+                self._vllm["prompt_tokens"].inc(rec.prompt_tokens)
                 self._prompt_tokens += rec.prompt_tokens
             else:
-                self.inter_token_latency.observe(now - rec.last_token)
-                self.time_per_output_token.observe(now - rec.last_token)
+                self._vllm["inter_token_latency_seconds"].observe(now - rec.last_token)
+                self._vllm["time_per_output_token_seconds"].observe(now - rec.last_token)
             rec.last_token = now
             rec.generation_tokens += num_tokens
-            self.generation_tokens.inc(num_tokens)
+            self._vllm["generation_tokens"].inc(num_tokens)
             self._generation_tokens += num_tokens
             if self._token_events and now - self._token_events[-1][0] < 0.1:
                 self._token_events[-1][1] += num_tokens
@@ -270,32 +258,31 @@ class Metrics:
                 return
             rec.finished, rec.finish_reason = now, reason
             if rec.scheduled is None:  # never left the queue
-                self.request_queue_time.observe(now - rec.arrival)
+                self._vllm["request_queue_time_seconds"].observe(now - rec.arrival)
                 self._waiting = max(self._waiting - 1, 0)
             else:
                 self._running = max(self._running - 1, 0)
-            self.num_requests_waiting.set(self._waiting)
-            self.num_requests_running.set(self._running)
+            self._vllm["num_requests_waiting"].set(self._waiting)
+            self._vllm["num_requests_running"].set(self._running)
 
             scheduled = rec.scheduled if rec.scheduled is not None else now
             first = rec.first_token if rec.first_token is not None else now
             last = rec.last_token if rec.last_token is not None else first
             e2e, decode = now - rec.arrival, last - first
+            if rec.first_token is None:  # ended before its first token: all of its running time was prefill
+                self._vllm["request_prefill_time_seconds"].observe(now - scheduled)
             n = rec.generation_tokens
             tpot = decode / (n - 1) if n > 1 else 0.0  # as vLLM: 0 for single-token requests
-            self.e2e_request_latency.observe(e2e)
-            self.request_inference_time.observe(last - scheduled)
-            self.request_decode_time.observe(decode)
-            self.request_prompt_tokens.observe(rec.prompt_tokens)
-            self.request_generation_tokens.observe(n)
-            self.request_max_num_generation_tokens.observe(n)  # n=1 sampling: the one sequence's length
+            self._vllm["e2e_request_latency_seconds"].observe(e2e)
+            self._vllm["request_inference_time_seconds"].observe(last - scheduled)
+            self._vllm["request_decode_time_seconds"].observe(decode)
+            self._vllm["request_prompt_tokens"].observe(rec.prompt_tokens)
+            self._vllm["request_generation_tokens"].observe(n)
+            self._vllm["request_max_num_generation_tokens"].observe(n)  # n=1 sampling: the one sequence's length
             if rec.max_tokens:
-                self.request_params_max_tokens.observe(rec.max_tokens)
-            self.request_time_per_output_token.observe(tpot)
-            if reason not in self.request_success:
-                self.request_success[reason] = self._request_success_family.labels(
-                    self.model_name, ENGINE_INDEX, reason)
-            self.request_success[reason].inc()
+                self._vllm["request_params_max_tokens"].observe(rec.max_tokens)
+            self._vllm["request_time_per_output_token_seconds"].observe(tpot)
+            self._request_success.labels(self.model_name, ENGINE_INDEX, reason).inc()
             self._success[reason] = self._success.get(reason, 0) + 1
             self._num_finished += 1
 
@@ -317,29 +304,29 @@ class Metrics:
             })
 
     def preempted(self) -> None:
-        self.num_preemptions.inc()
+        self._vllm["num_preemptions"].inc()
 
     def set_load(self, running: int, waiting: int, slots_in_use: int, kv_cache_usage: float) -> None:
         """The engine's own counts after a step; they replace the counts kept from request events."""
         with self._lock:
             self._running, self._waiting = running, waiting
             self._slots_in_use, self._kv_cache_usage = slots_in_use, kv_cache_usage
-            self.num_requests_running.set(running)
-            self.num_requests_waiting.set(waiting)
-            self.kv_cache_usage_perc.set(kv_cache_usage)
-            self.gpu_cache_usage_perc.set(kv_cache_usage)
+            self._vllm["num_requests_running"].set(running)
+            self._vllm["num_requests_waiting"].set(waiting)
+            self._vllm["kv_cache_usage_perc"].set(kv_cache_usage)
+            self._vllm["gpu_cache_usage_perc"].set(kv_cache_usage)
 
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Increments (tokens looked up, tokens found) since the last call, not running totals."""
-        for counter, value in ((self.prefix_cache_queries, queries), (self.gpu_prefix_cache_queries, queries),
-                               (self.prefix_cache_hits, hits), (self.gpu_prefix_cache_hits, hits)):
-            counter.inc(value)
+        for prefix in ("", "gpu_"):
+            self._vllm[f"{prefix}prefix_cache_queries"].inc(queries)
+            self._vllm[f"{prefix}prefix_cache_hits"].inc(hits)
 
     def spec_decode(self, drafts: int, draft_tokens: int, accepted: int) -> None:
         """Increments since the last call, not running totals."""
-        self.spec_decode_num_drafts.inc(drafts)
-        self.spec_decode_num_draft_tokens.inc(draft_tokens)
-        self.spec_decode_num_accepted_tokens.inc(accepted)
+        self._vllm["spec_decode_num_drafts"].inc(drafts)
+        self._vllm["spec_decode_num_draft_tokens"].inc(draft_tokens)
+        self._vllm["spec_decode_num_accepted_tokens"].inc(accepted)
 
     # views
 
@@ -366,15 +353,19 @@ class Metrics:
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),
+                "gpu_util": self._gpu.read(),
                 "engine_facts": dict(self._engine_facts),
             }
-        facts["gpu_util"] = self._gpu.read()
         return facts
 
     def render(self, accept: str | None, fmt: str | None) -> tuple[bytes, str] | None:
         """(body, content type) for a Prometheus scrape; None when the caller should answer facts() as JSON."""
         accept = accept or ""
-        if fmt != "prometheus" and "text/plain" not in accept and "openmetrics" not in accept:
-            return None
-        encode, content_type = choose_encoder(accept)
-        return encode(self.registry), content_type
+        if "application/openmetrics-text" in accept:
+            # ALLOWUTF8 keeps the `:` in sample names: prometheus_client's UNDERSCORES escaping turns
+            # `vllm:x_total` into `vllm_x_total` on sample lines only (client_python issue #1177).
+            # Every name here is a valid legacy name, so no escaping is needed.
+            return openmetrics.generate_latest(self.registry, escaping=openmetrics.ALLOWUTF8), OPENMETRICS_CONTENT_TYPE
+        if fmt == "prometheus" or "text/plain" in accept:
+            return exposition.generate_latest(self.registry), PROMETHEUS_CONTENT_TYPE
+        return None

@@ -88,12 +88,32 @@ class EngineCommand(EngineSettings):
         run_engine(self)
 
 
+def _serve_settings():
+    from serve.config import ServeSettings
+
+    class Serve(ServeSettings):
+        """Run the OpenAI-compatible HTTP server (it starts and owns the engine process)."""
+
+        def cli_cmd(self) -> None:
+            import logging
+
+            import uvicorn
+
+            from serve.app import create_app
+
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            uvicorn.run(create_app(self), host=self.host, port=self.port, log_level="info")
+
+    return Serve
+
+
 class Strata(BaseSettings):
     """Strata: an inference engine for large Mixture-of-Experts language models."""
 
     model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True, cli_prog_name="strata")
     generate: CliSubCommand[Generate]
     engine: CliSubCommand[EngineCommand]
+    serve: CliSubCommand[_serve_settings()]  # type: ignore[valid-type]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -8,6 +8,7 @@ step, if a solo generation is running, and one batch window over the active slot
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterator
 
 from strata import protocol
@@ -36,7 +37,8 @@ class Scheduler:
         spec = self.engine.spec
         return {"family": spec.family, "vocab_size": spec.vocab_size, "num_layers": spec.num_layers,
                 "max_cells": self.engine.max_cells, "batch": len(self.slots) if self.slots else 0,
-                "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch.")}
+                "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
+                "pid": os.getpid()}
 
     def handle(self, line: str) -> bool:
         """Carry out one command line; False once the engine should exit. Bad input answers ERR and changes nothing."""

@@ -1,0 +1,268 @@
+"""The HTTP face: OpenAI-compatible endpoints, streaming, /metrics, /health, /version and the Monitor page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+import strata
+from serve.config import ServeSettings
+from serve.engine_client import EngineClient, EngineDied, EngineRefused, Job, engine_argv
+from serve.metrics import Metrics, RequestRecord
+from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.text import TextStream
+from strata.errors import StrataError
+from strata.model.loader import ModelFiles
+from strata.protocol import Request as EngineRequest
+from strata.runtime.sampling import SamplingParams
+
+log = logging.getLogger("strata.serve")
+MONITOR_PAGE = Path(__file__).parent / "static" / "monitor.html"
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def served_name(settings: ServeSettings, files: ModelFiles) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    return "SmolLM2-135M-Instruct" if settings.model == "default" else Path(files.checkpoint.path).stem
+
+
+def create_app(settings: ServeSettings) -> FastAPI:
+    files = ModelFiles.open(settings.model)  # config and tokenizer only: the engine process loads the weights
+    tokenizer = files.tokenizer
+    name = served_name(settings, files)
+    max_cells = min(settings.max_cells, files.spec.max_positions)
+    metrics = Metrics(name, max_cells, settings.batch)
+    client = EngineClient(engine_argv(settings), metrics, settings.batch)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        yield
+        await client.close()
+
+    app = FastAPI(title="Strata", version=strata.__version__, lifespan=lifespan)
+    app.state.client, app.state.metrics = client, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {settings.api_key}":
+                return APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                                kind="authentication_error").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not client.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": strata.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "strata", "root": str(files.checkpoint.path),
+                                            "max_model_len": max_cells}]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request, format: str | None = None):
+        rendered = metrics.render(request.headers.get("accept"), format)
+        if rendered is None:
+            return JSONResponse(metrics.facts())
+        body, content_type = rendered
+        return Response(body, media_type=content_type)
+
+    @app.get("/")
+    async def monitor():
+        return FileResponse(MONITOR_PAGE, media_type="text/html")
+
+    async def body_of(request: Request, model: type[SamplingFields]) -> SamplingFields:
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or None
+            raise APIError(400, f"{field}: {err['msg']}", param=field) from None
+        if body.model is not None and body.model not in (name, settings.model):
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{name}`",
+                           param="model", kind="NotFoundError")
+        return body
+
+    def engine_request(body: SamplingFields, ids: list[int]) -> EngineRequest:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= i < files.spec.vocab_size for i in ids):
+            raise APIError(400, f"a prompt token id is outside the vocabulary (0..{files.spec.vocab_size - 1})",
+                           param="prompt")
+        if len(ids) >= max_cells:
+            raise APIError(413, f"the prompt has {len(ids)} tokens; this model's context is {max_cells} tokens "
+                                "and the answer needs at least one more", param="messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is not None and len(ids) + max_tokens > max_cells:
+            raise APIError(400, f"This model's maximum context length is {max_cells} tokens. However, you requested "
+                                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                                "completion). Reduce the prompt or max_tokens.", param="max_tokens")
+        params = SamplingParams(
+            temperature=body.temperature if body.temperature is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=max(0, body.top_k or 0),
+            min_p=body.min_p or 0.0,
+            seed=body.seed if body.seed is not None else secrets.randbits(62),
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+        )
+        try:
+            params.validate()
+        except StrataError as e:
+            raise APIError(400, str(e)) from None
+        return EngineRequest(max_tokens or max_cells - len(ids), params, frozenset(body.stop_token_ids or []),
+                             body.ignore_eos, ids)
+
+    def submit(body: SamplingFields, ids: list[int]) -> Job:
+        request = engine_request(body, ids)
+        record = RequestRecord(f"{uuid.uuid4().hex[:16]}", len(ids), request.max_new, time.monotonic())
+        try:
+            return client.submit(request, record)
+        except EngineDied as e:
+            raise APIError(503, str(e), kind="service_unavailable") from None
+
+    async def pieces(job: Job, stream: TextStream, http: Request) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, finish_reason) as tokens arrive; the job is stopped if the consumer goes away."""
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, tuple):
+                    yield stream.finish(), "stop" if item[1] == "stop" else item[1]
+                    return
+                text = stream.push(item)
+                if stream.stopped:
+                    client.abandon(job, reason="stop")
+                    yield text, "stop"
+                    return
+                if text:
+                    yield text, None
+        finally:
+            client.abandon(job)  # no-op when it already ended
+
+    def usage(job: Job) -> dict:
+        n_prompt, n_gen = len(job.request.ids), len(job.generated)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+    async def respond(body: SamplingFields, job: Job, http: Request, chat: bool, echo: str = ""):
+        stream = TextStream(tokenizer, body.stop_strings())
+        rid = ("chatcmpl-" if chat else "cmpl-") + job.record.request_id
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if chat:
+                msg = {"content": text} if text is not None else {}
+                if not delta:
+                    msg = {"role": "assistant", "content": text}
+                return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        if not body.stream:
+            parts, finish = [echo], None
+            try:
+                async for text, finish in pieces(job, stream, http):
+                    parts.append(text)
+            except EngineRefused as e:
+                raise APIError(400, str(e)) from None
+            except EngineDied as e:
+                raise APIError(500, str(e), kind="internal_server_error") from None
+            return {"id": rid, "object": kind, "created": created, "model": name,
+                    "choices": [choice("".join(parts), finish_reason(finish, job), delta=False)], "usage": usage(job)}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": name}
+
+            def sse(choices: list, **extra) -> str:
+                return "data: " + json.dumps({**chunk, "choices": choices, **extra}) + "\n\n"
+
+            if chat:
+                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            elif echo:
+                yield sse([choice(echo, None, True)])
+            try:
+                async for text, finish in pieces(job, stream, http):
+                    if text:
+                        yield sse([choice(text, None, True)])
+                    if finish is not None:
+                        yield sse([choice(None if chat else "", finish_reason(finish, job), True)])
+                if include_usage:
+                    yield sse([], usage=usage(job))
+            except (EngineRefused, EngineDied) as e:
+                yield "data: " + json.dumps({"error": {"message": str(e), "type": "internal_server_error", "code": 500}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def finish_reason(reason: str | None, job: Job) -> str:
+        return "length" if reason == "length" else "stop"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request):
+        body = await body_of(http, ChatCompletionRequest)
+        try:
+            ids = tokenizer.encode_chat([m.as_template_message() for m in body.messages])
+        except StrataError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return await respond(body, submit(body, ids), http, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        body = await body_of(http, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported (n=1)", param="prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else ""
+        return await respond(body, submit(body, ids), http, chat=False, echo=echo)
+
+    return app

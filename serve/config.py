@@ -1,0 +1,14 @@
+"""The server's settings: the engine's fields plus the HTTP ones (flags, STRATA_* variables, config file keys)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from strata.config import EngineSettings
+
+
+class ServeSettings(EngineSettings):
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on /v1/* (like vLLM)")
+    served_model_name: str | None = Field(None, description="the model name clients send (default: the file or folder name)")

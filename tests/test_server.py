@@ -1,0 +1,209 @@
+"""A real `strata serve` on the embedded default, driven by the official `openai` SDK and a plain HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import Server
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--batch", "4")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def solo_answers(client):
+    """Each prompt's greedy answer when it runs alone."""
+    return [complete(client, p) for p in PROMPTS]
+
+
+def complete(client, prompt: str, **kw) -> str:
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    return client.completions.create(model=MODEL, prompt=prompt, **kw).choices[0].text
+
+
+def scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", headers={"Accept": "text/plain"}).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")) + "}")
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def test_chat_completion_and_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=30, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 30
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client, solo_answers):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == solo_answers[0]
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0)
+    assert chunks[-1].usage == whole.usage and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                               max_tokens=10, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_end_the_answer(client, solo_answers):
+    full = solo_answers[0]
+    cut = full.index(".")
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=["."])
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=["."], stream=True) if c.choices)
+    assert streamed == full[:cut]
+    assert complete(client, PROMPTS[1]) == complete(client, PROMPTS[1])  # the stopped answer left nothing behind
+
+
+def test_seeds_reproduce_sampled_answers(client):
+    a = complete(client, PROMPTS[1], temperature=0.9, top_p=0.95, seed=7)
+    b = complete(client, PROMPTS[1], temperature=0.9, top_p=0.95, seed=7)
+    c = complete(client, PROMPTS[1], temperature=0.9, top_p=0.95, seed=8)
+    assert a == b and a != c
+    kw = dict(temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=0.5,
+              extra_body={"repetition_penalty": 1.2, "top_k": 40, "min_p": 0.05})
+    assert complete(client, PROMPTS[2], **kw) == complete(client, PROMPTS[2], **kw)
+
+
+async def _concurrently(server, prompts, **kw):
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    results = await asyncio.gather(*[aclient.completions.create(model=MODEL, prompt=p, **kw) for p in prompts])
+    return [r.choices[0].text for r in results]
+
+
+def test_concurrent_requests_get_their_solo_answers_and_metrics_count_them(server, solo_answers):
+    before = scrape(server)
+    answers = asyncio.run(_concurrently(server, PROMPTS[:3]))
+    assert answers == solo_answers[:3]
+    after = scrape(server)
+    delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    assert delta("vllm:request_success_total{finished_reason=length}") + delta("vllm:request_success_total{finished_reason=stop}") == 3
+    for hist in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds"):
+        assert delta(f"vllm:{hist}_count{{}}") == 3, hist
+    generated = delta("vllm:generation_tokens_total{}")
+    assert 3 <= generated <= 120
+    assert delta("vllm:inter_token_latency_seconds_count{}") == generated - 3
+
+
+def test_more_requests_than_slots_wait_and_still_match(server, solo_answers):
+    prompts = PROMPTS + PROMPTS[:2]  # 6 requests, 4 slots
+    answers = asyncio.run(_concurrently(server, prompts))
+    assert answers == solo_answers + solo_answers[:2]
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_next_answers_intact(server, solo_answers):
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    # the abandoned answer must not leak into the next requests, alone or together
+    assert asyncio.run(_concurrently(server, PROMPTS[:2])) == solo_answers[:2]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert complete(client, PROMPTS[0]) == solo_answers[0]
+    deadline = time.monotonic() + 30
+    while scrape(server).get("vllm:num_requests_running{}", 1) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert scrape(server)["vllm:num_requests_running{}"] == 0
+
+
+def test_metrics_formats(server):
+    text = httpx.get(server.url + "/metrics", params={"format": "prometheus"}).text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:time_to_first_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:time_per_output_token_seconds", "strata:live_tok_s"):
+        assert name in names, name
+    facts = httpx.get(server.url + "/metrics").json()
+    assert facts["model"] == MODEL and facts["slots_total"] == 4 and facts["requests_total"] > 0
+    assert httpx.get(server.url + "/").text.lstrip().lower().startswith("<!doctype html")
+
+
+def test_models_health_version(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json()["version"]
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "maximum context length"),
+    ({"model": "gpt-17", "prompt": "hi"}, 404, "gpt-17"),
+    ({"model": MODEL, "prompt": "hello " * 5000}, 413, "context"),
+    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": [1, 99999999]}, 400, "vocabulary"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_carries_on(server, solo_answers, body, status, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["code"] == status
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert complete(client, PROMPTS[0]) == solo_answers[0]
+
+
+def test_the_engine_process_is_restarted_and_in_flight_requests_fail_clearly(server, solo_answers):
+    pid = httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    assert any("engine process exited" in line for line in rest)
+    assert rest[-1] == "data: [DONE]"
+    server.wait_healthy()
+    assert httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"] != pid
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert complete(client, PROMPTS[0]) == solo_answers[0]
+
+
+def test_api_key():
+    srv = Server("--api-key", "sesame")
+    try:
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0)
+        assert "Paris" in complete(good, PROMPTS[0], max_tokens=5)
+        assert httpx.get(srv.url + "/health").status_code == 200  # health and metrics stay open, as in vLLM
+    finally:
+        srv.stop()
