@@ -280,3 +280,28 @@ def test_api_key_prompt_on_401(fake_server, page):
     )
     assert not key_input.is_visible()
     assert page.js_errors == []
+
+
+def test_page_on_a_real_server_shows_its_requests(page):
+    """The page served by a real `strata serve` (no --batch: requests queue FIFO for the solo path)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from tests.server_process import Server
+
+    server = Server()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ask = lambda p: client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=12, temperature=0)  # noqa: E731
+        with ThreadPoolExecutor(2) as pool:  # two at once: the second waits for the first (FIFO)
+            answers = list(pool.map(ask, ["The capital of France is", "Once upon a time"]))
+        assert answers[0].choices[0].text.startswith(" Paris")
+        page.goto(server.url + "/")
+        page.wait_for_function("() => document.querySelector('#requests-total').innerText.trim() === '2'", timeout=20000)
+        page.wait_for_function("() => document.querySelectorAll('#history tbody tr').length === 2", timeout=20000)
+        assert _text(page, "#status").lower().startswith("live")
+        page.screenshot(path="/tmp/monitor-real.png", full_page=True)
+        assert not page.js_errors, page.js_errors
+    finally:
+        server.stop()
