@@ -275,5 +275,11 @@ def engine_argv(settings) -> list[str]:
 
     argv = [sys.executable, "-m", "strata.cli", "engine"]
     for name in EngineSettings.model_fields:
-        argv += ["--" + name.replace("_", "-"), str(getattr(settings, name))]
+        flag, value = name.replace("_", "-"), getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
     return argv

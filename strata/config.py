@@ -70,6 +70,20 @@ class EngineSettings(StrataSettings):
     max_cells: int = Field(4096, gt=0, description="positions each sequence can hold (prompt + answer)")
     prefill_chunk: int = Field(512, gt=0, description="rows per window while reading a prompt")
     batch: int = Field(0, ge=0, le=256, description="batch slots decoded together (0: solo only)")
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="decode-window kernels: triton (GPU default), torch references (CPU default)"
+    )
+    cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (with the triton kernels)")
+    layer_split: str | None = Field(
+        None, description="layers per stage, e.g. 12,12,12,12 (or proportions, e.g. 3,2); stages on cuda:0..n-1"
+    )
+    split_device: str | None = Field(None, description="put every stage of --layer-split on this one device (testing)")
+    batch_groups: int = Field(1, ge=1, description="slot groups pipelined through the stages of --layer-split")
+    trim_stage_weights: bool = Field(False, description="each stage loads only its own layers' tensors")
+    expert_budget_gb: str | None = Field(
+        None, description="GB of routed experts each card keeps resident, per stage (e.g. 10,10,12,12)"
+    )
+    cpu_threads: int | None = Field(None, ge=1, description="threads of the CPU pool that computes offloaded experts")
 
     def torch_device(self) -> torch.device:
         try:

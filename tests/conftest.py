@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from strata.model.loader import default_model_path
+# CI has no GPU: Triton kernels run under Triton's interpreter, on CPU tensors. This must be set before
+# anything imports triton (the kernel modules do at import time).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from strata.model.loader import default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""Causal attention of a sequence's rows over that sequence's K/V cells (GQA), as a torch reference."""
+"""Causal attention of a sequence's rows over that sequence's K/V cells (GQA): torch references, and
+Triton kernels beside them for decode rows over a pool of sequences and for a prompt window."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
@@ -23,3 +26,293 @@ def attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, pos
     probs = torch.softmax(scores, dim=-1).to(v_cells.dtype)
     out = torch.matmul(probs, v_cells.permute(1, 0, 2))  # [Hkv, T*G, D]
     return out.reshape(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, h, d)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode rows of several sequences over a pool of cells, one `attention` call per row.
+
+    q: [R, H, D]; k_pool, v_pool: [S, L, Hkv, D]; seq_ids, positions: [R]. Row r attends cells
+    0..positions[r] of sequence seq_ids[r]. Returns [R, H, D].
+    """
+    rows = [
+        attention(q[r : r + 1], k_pool[seq_ids[r]], v_pool[seq_ids[r]], positions[r : r + 1], scale)
+        for r in range(q.shape[0])
+    ]
+    return torch.cat(rows) if rows else torch.empty_like(q)
+
+
+# --- Triton kernels -------------------------------------------------------------------------------
+#
+# Scores are kept in the log2 domain (scale * log2(e) folded in, exp2 for the softmax). A row's
+# arithmetic depends only on its own cells: one program per (row, K/V head) for decode, with fixed
+# constexpr blocks, and the cells visited in a fixed order, so a row rounds the same in any batch.
+# Cells past a row's position are never loaded.
+
+LOG2E = 1.4426950408889634
+SPLIT_CELLS = 512  # cells per program in the split (flash-decoding) variant: a constant, never derived from R
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 stays exact; 16-bit types ignore it
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+@triton.jit
+def _decode_kernel(
+    q, k_pool, v_pool, seq_ids, positions, out, m_part, l_part,
+    qk_scale,
+    s_qr, s_qh, s_qd,
+    s_ks, s_kl, s_kh, s_kd,
+    s_vs, s_vl, s_vh, s_vd,
+    s_or, s_oh, s_oc, s_od,
+    s_mr, s_mh, s_mc,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (row, K/V head[, chunk of CHUNK_CELLS cells when SPLIT]); the G query heads of
+    the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros)."""
+    i_r = tl.program_id(0)
+    i_hkv = tl.program_id(1)
+    i_c = tl.program_id(2)
+    i_s = tl.load(seq_ids + i_r).to(tl.int64)
+    pos = tl.load(positions + i_r).to(tl.int32)
+    if SPLIT:
+        lo = i_c * CHUNK_CELLS
+        hi = tl.minimum(lo + CHUNK_CELLS, pos + 1)
+    else:
+        lo = 0
+        hi = pos + 1
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = i_hkv * G + offs_g  # [BLOCK_G]
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+
+    p_q = q + i_r * s_qr + heads[:, None] * s_qh + offs_d[None, :] * s_qd
+    b_q = tl.load(p_q, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    p_k0 = k_pool + i_s * s_ks + i_hkv * s_kh
+    p_v0 = v_pool + i_s * s_vs + i_hkv * s_vh
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: a row with no cell yet never gives NaN
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cells = start + offs_n  # [BLOCK_N]
+        mask_n = cells <= pos
+        cells64 = cells.to(tl.int64)
+        p_k = p_k0 + cells64[None, :] * s_kl + offs_d[:, None] * s_kd
+        b_k = tl.load(p_k, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        b_s = tl.where(mask_n[None, :], b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        p_v = p_v0 + cells64[:, None] * s_vl + offs_d[None, :] * s_vd
+        b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    mask_o = mask_g[:, None] & mask_d[None, :]
+    p_o = out + i_r * s_or + heads[:, None] * s_oh + i_c * s_oc + offs_d[None, :] * s_od
+    if SPLIT:
+        tl.store(p_o, acc, mask=mask_o)
+        tl.store(m_part + i_r * s_mr + heads * s_mh + i_c * s_mc, m_i, mask=mask_g)
+        tl.store(l_part + i_r * s_mr + heads * s_mh + i_c * s_mc, l_i, mask=mask_g)
+    else:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
+        tl.store(p_o, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=mask_o)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    acc_part, m_part, l_part, positions, out,
+    s_ar, s_ah, s_ac, s_ad,
+    s_mr, s_mh, s_mc,
+    s_or, s_oh, s_od,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_CELLS: tl.constexpr,
+):
+    """One program per (row, query head): merges the row's chunk partials in chunk order."""
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)
+    pos = tl.load(positions + i_r).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    m = -1.0e30
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c in range(0, (pos + CHUNK_CELLS) // CHUNK_CELLS):  # chunks holding cells 0..pos
+        m_c = tl.load(m_part + i_r * s_mr + i_h * s_mh + c * s_mc)
+        l_c = tl.load(l_part + i_r * s_mr + i_h * s_mh + c * s_mc)
+        b_a = tl.load(acc_part + i_r * s_ar + i_h * s_ah + c * s_ac + offs_d * s_ad, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, m_c)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_c - m_new)
+        acc = acc * alpha + b_a * beta
+        l = l * alpha + l_c * beta
+        m = m_new
+    l = tl.where(l > 0.0, l, 1.0)
+    tl.store(out + i_r * s_or + i_h * s_oh + offs_d * s_od, (acc / l).to(out.dtype.element_ty), mask=mask_d)
+
+
+def _decode_blocks(d: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_D, BLOCK_N): from the head shape only."""
+    block_d = _block_d(d)
+    return max(16, triton.next_power_of_2(group)), block_d, 32 if block_d > 128 else 64
+
+
+def _check_decode(q, k_pool, v_pool) -> tuple[int, int, int, int]:
+    r, h, d = q.shape
+    hkv = k_pool.shape[2]
+    assert k_pool.shape == v_pool.shape and k_pool.shape[3] == d and h % hkv == 0, (q.shape, k_pool.shape, v_pool.shape)
+    assert q.dtype == k_pool.dtype == v_pool.dtype, (q.dtype, k_pool.dtype, v_pool.dtype)
+    return r, h, d, hkv
+
+
+def decode_attention_triton(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`decode_attention_reference` as one Triton program per (row, K/V head). Returns [R, H, D] in q's dtype."""
+    r, h, d, hkv = _check_decode(q, k_pool, v_pool)
+    out = torch.empty_like(q)  # [R, H, D]
+    if r == 0:
+        return out
+    block_g, block_d, block_n = _decode_blocks(d, h // hkv)
+    _decode_kernel[(r, hkv, 1)](
+        q, k_pool, v_pool, seq_ids, positions, out, out, out,
+        scale * LOG2E,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(),
+        out.stride(0), out.stride(1), 0, out.stride(2),
+        0, 0, 0,
+        G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention_split_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    seq_ids: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    chunk_cells: int = SPLIT_CELLS,
+) -> torch.Tensor:
+    """Flash-decoding: `decode_attention_reference` with each row's cells split in fixed chunks of
+    `chunk_cells` (one program per (row, K/V head, chunk); chunks past a row's position do nothing),
+    then one program per (row, query head) merging the chunks in order. For long contexts with few
+    rows. `chunk_cells` must be a constant (a multiple of 64), never derived from the number of rows.
+    Returns [R, H, D] in q's dtype."""
+    r, h, d, hkv = _check_decode(q, k_pool, v_pool)
+    out = torch.empty_like(q)  # [R, H, D]
+    if r == 0:
+        return out
+    block_g, block_d, block_n = _decode_blocks(d, h // hkv)
+    assert chunk_cells % 64 == 0, chunk_cells
+    n_chunks = triton.cdiv(k_pool.shape[1], chunk_cells)
+    acc_part = torch.empty(r, h, n_chunks, d, device=q.device, dtype=torch.float32)  # [R, H, C, D]
+    m_part = torch.empty(r, h, n_chunks, device=q.device, dtype=torch.float32)  # [R, H, C]
+    l_part = torch.empty_like(m_part)  # [R, H, C]
+    _decode_kernel[(r, hkv, n_chunks)](
+        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part,
+        scale * LOG2E,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(),
+        *acc_part.stride(),
+        *m_part.stride(),
+        G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    _decode_combine_kernel[(r, h)](
+        acc_part, m_part, l_part, positions, out,
+        *acc_part.stride(), *m_part.stride(), *out.stride(),
+        D=d, BLOCK_D=block_d, CHUNK_CELLS=chunk_cells,
+        num_warps=1,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q, k_cells, v_cells, positions, out,
+    qk_scale, T,
+    s_qt, s_qh, s_qd,
+    s_kl, s_kh, s_kd,
+    s_vl, s_vh, s_vd,
+    s_ot, s_oh, s_od,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (BLOCK_M rows, query head); cells up to the block's highest position."""
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_hkv = i_h // G
+    offs_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < T
+    mask_d = offs_d < D
+    b_pos = tl.load(positions + offs_m, mask=mask_m, other=-1).to(tl.int32)  # [BLOCK_M]
+    hi = tl.max(b_pos, 0) + 1
+
+    p_q = q + offs_m[:, None] * s_qt + i_h * s_qh + offs_d[None, :] * s_qd
+    b_q = tl.load(p_q, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    p_k0 = k_cells + i_hkv * s_kh
+    p_v0 = v_cells + i_hkv * s_vh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        cells = start + offs_n  # [BLOCK_N]
+        mask_n = cells < hi
+        p_k = p_k0 + cells[None, :] * s_kl + offs_d[:, None] * s_kd
+        b_k = tl.load(p_k, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s = tl.where(cells[None, :] <= b_pos[:, None], b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        p_v = p_v0 + cells[:, None] * s_vl + offs_d[None, :] * s_vd
+        b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    p_o = out + offs_m[:, None] * s_ot + i_h * s_oh + offs_d[None, :] * s_od
+    tl.store(p_o, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def prefill_attention_triton(
+    q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attention` (rows of one sequence over its cells [L, Hkv, D]) flash-attention style.
+    Returns [T, H, D] in q's dtype."""
+    t, h, d = q.shape
+    hkv = k_cells.shape[1]
+    assert k_cells.shape == v_cells.shape and k_cells.shape[2] == d and h % hkv == 0, (q.shape, k_cells.shape)
+    assert q.dtype == k_cells.dtype == v_cells.dtype, (q.dtype, k_cells.dtype, v_cells.dtype)
+    out = torch.empty_like(q)  # [T, H, D]
+    if t == 0:
+        return out
+    block_d = _block_d(d)
+    block_m, block_n, warps = (64, 32, 8) if block_d > 128 else (64, 64, 4)
+    _prefill_kernel[(triton.cdiv(t, block_m), h)](
+        q, k_cells, v_cells, positions, out,
+        scale * LOG2E, t,
+        *q.stride(), *k_cells.stride(), *v_cells.stride(), *out.stride(),
+        G=h // hkv, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=warps,
+    )
+    return out

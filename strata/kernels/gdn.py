@@ -7,10 +7,15 @@ The recurrence, per value head h and token t (S is [Dk, Dv], k and q L2-normalis
     S = exp(g_t) * S
     S = S + k_t (beta_t * (v_t - k_t^T S))^T
     o_t = q_t^T S
+
+`gdn_decode_triton` is the decode step for a window of rows, one token per row, each row on its own
+sequence of the engine's pools: the conv and the recurrence update `conv_pool` and `rec_pool` in place.
 """
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -114,3 +119,115 @@ def gated_delta_rule_step(q, k, v, g, beta, state) -> tuple[Tensor, Tensor]:
         s = s + k_t * delta[:, None, :]
         out[:, t] = (s * q[:, t, :, None]).sum(-2)
     return out.transpose(0, 1).to(out_dtype).contiguous(), s
+
+
+# Decode step in Triton: one token per row, each row on its own sequence (seq_ids distinct).
+# Block sizes depend on the model's sizes only, never on the number of rows: a row computes alike in any window.
+CONV_BLOCK_C = 256
+REC_MAX_BLOCK_DV = 64
+
+
+@triton.jit
+def _conv_decode_kernel(
+    p_mixed, p_w, p_pool, p_seq, p_out,
+    C, stride_mixed, stride_w, stride_ps, stride_pk, stride_out,
+    K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One program per (row, channel block): conv + silu of this token over the history, history shifted."""
+    i_r, i_c = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    i_s = tl.load(p_seq + i_r).to(tl.int64)
+    p_hist = p_pool + i_s * stride_ps + o_c
+    b_x = tl.load(p_mixed + i_r.to(tl.int64) * stride_mixed + o_c, mask=m_c, other=0.0)  # [BLOCK_C]
+    # Same order as the reference: taps 0..K-2 on the history (oldest first), tap K-1 on this token.
+    b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K - 1):
+        b_h = tl.load(p_hist + j * stride_pk, mask=m_c, other=0.0).to(p_mixed.dtype.element_ty)
+        b_acc += b_h.to(tl.float32) * tl.load(p_w + o_c * stride_w + j, mask=m_c, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(p_hist + (j - 1) * stride_pk, b_h.to(p_pool.dtype.element_ty), mask=m_c)
+    b_acc += b_x.to(tl.float32) * tl.load(p_w + o_c * stride_w + (K - 1), mask=m_c, other=0.0).to(tl.float32)
+    tl.store(p_hist + (K - 2) * stride_pk, b_x.to(p_pool.dtype.element_ty), mask=m_c)
+    b_out = b_acc * tl.sigmoid(b_acc)
+    tl.store(p_out + i_r.to(tl.int64) * stride_out + o_c, b_out.to(p_out.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _rec_decode_kernel(
+    p_qkv, p_state, p_seq, p_decay, p_beta, p_o,
+    stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile."""
+    i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_r64 = i_r.to(tl.int64)
+    i_kh = i_h // GROUP
+    o_k = tl.arange(0, BLOCK_DK)
+    o_v = i_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    m_k, m_v = o_k < DK, o_v < DV
+    i_s = tl.load(p_seq + i_r).to(tl.int64)
+
+    p_row = p_qkv + i_r64 * stride_qkv
+    b_q = tl.load(p_row + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
+    b_k = tl.load(p_row + KEY_DIM + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
+    b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BLOCK_DV]
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * (DK ** -0.5)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
+    b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
+
+    p_s = p_state + i_s * stride_ss + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0) * tl.exp(b_g)  # [BLOCK_DK, BLOCK_DV] float32
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta  # [BLOCK_DV]
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BLOCK_DV]
+    tl.store(p_s, b_s, mask=m_s)
+    tl.store(p_o + i_r64 * stride_or + i_h * stride_oh + o_v, b_o.to(p_o.dtype.element_ty), mask=m_v)
+
+
+def gdn_decode_triton(
+    mixed: Tensor, conv_w: Tensor, conv_pool: Tensor, rec_pool: Tensor, seq_ids: Tensor,
+    decay: Tensor, beta: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+) -> Tensor:
+    """One decode token per row: short conv + silu, then one gated delta-rule step, on sequence seq_ids[r].
+
+    mixed: [R, C] pre-conv q|k|v (C = 2*Hk*Dk + Hv*Dv; rows may be strided, channels contiguous);
+    conv_w: [C, K]; conv_pool: [S, K-1, C] and rec_pool: [S, Hv, Dk, Dv] float32, both updated IN PLACE
+    (innermost dim contiguous); seq_ids: [R] int32, distinct; decay (log decay), beta: [R, Hv].
+    Returns [R, Hv, Dv] in mixed's dtype, as `causal_conv1d` + `gated_delta_rule_step` would row by row.
+    """
+    num_rows, num_channels = mixed.shape
+    num_taps = conv_w.shape[1]
+    key_dim = num_k_heads * k_head_dim
+    assert num_channels == 2 * key_dim + num_v_heads * v_head_dim, (mixed.shape, num_k_heads, num_v_heads)
+    assert num_v_heads % num_k_heads == 0, (num_k_heads, num_v_heads)
+    assert num_taps >= 2 and conv_w.shape[0] == num_channels, conv_w.shape
+    assert conv_pool.shape[1:] == (num_taps - 1, num_channels), conv_pool.shape
+    assert rec_pool.shape[1:] == (num_v_heads, k_head_dim, v_head_dim), rec_pool.shape
+    assert rec_pool.dtype == torch.float32, rec_pool.dtype
+    assert decay.shape == beta.shape == (num_rows, num_v_heads), (decay.shape, beta.shape)
+    assert mixed.stride(1) == 1 and conv_pool.stride(2) == 1 and rec_pool.stride(3) == 1
+    assert conv_w.stride(1) == 1 and decay.stride(1) == 1 and beta.stride(1) == 1 and seq_ids.is_contiguous()
+    out = torch.empty(num_rows, num_v_heads, v_head_dim, device=mixed.device, dtype=mixed.dtype)  # [R, Hv, Dv]
+    if num_rows == 0:
+        return out
+
+    conv_out = torch.empty(num_rows, num_channels, device=mixed.device, dtype=mixed.dtype)  # [R, C]
+    _conv_decode_kernel[(num_rows, triton.cdiv(num_channels, CONV_BLOCK_C))](
+        mixed, conv_w, conv_pool, seq_ids, conv_out,
+        num_channels, mixed.stride(0), conv_w.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_out.stride(0),
+        K=num_taps, BLOCK_C=CONV_BLOCK_C,
+    )  # fmt: skip
+
+    block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
+    _rec_decode_kernel[(num_rows, num_v_heads, triton.cdiv(v_head_dim, block_dv))](
+        conv_out, rec_pool, seq_ids, decay, beta, out,
+        conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
+        decay.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
+        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv,
+    )  # fmt: skip
+    return out

@@ -125,3 +125,28 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     from strata.model.gguf import GGUFCheckpoint
 
     return GGUFCheckpoint(path)
+
+
+class StateDictCheckpoint:
+    """An in-memory checkpoint: a config dict and a name -> tensor map (a `transformers` model's state_dict).
+
+    Benchmarks load the very weights a `transformers` model runs, without writing them to disk; tensors already
+    on the right device, dtype and layout are shared, not copied.
+    """
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], path: str = "<in memory>"):
+        self.path, self.config, self._tensors = Path(path), config, tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        return self._tensors[name].to(dtype)
+
+    def tokenizer(self) -> Tokenizer | None:
+        return None

@@ -19,11 +19,21 @@ from strata.runtime.window import Window
 class Forward:
     """Runs a stage's layers over windows. Holds no per-sequence state: that lives in the window's segments."""
 
-    def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype,
+                 kernels: str = "torch", cuda_graphs: bool = False):
+        """kernels: "torch" runs the reference ops everywhere; "triton" runs decode windows on the Triton kernels
+        (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`. Prompt windows always use the torch ops."""
         self.spec, self.weights, self.device, self.dtype = spec, weights, device, dtype
         a = spec.attention
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
         self.scale = a.head_dim**-0.5
+        self.fast = None
+        if kernels == "triton":
+            from strata.runtime.fast_decode import GraphedDecode, TritonDecode
+
+            self.fast = TritonDecode(spec, weights, self.inv_freq)
+            if cuda_graphs:
+                self.fast = GraphedDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weights.embed)  # [R, hidden]
@@ -49,6 +59,9 @@ class Forward:
         return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
+        if self.fast is not None and window.is_decode and window.pool is not None:
+            positions = window.positions.to(torch.int32)
+            return self.fast(window.pool, window.tokens, positions, window.seq_ids)
         return self.head(self.layers(self.embed(window.tokens), window), window)
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, rows) -> torch.Tensor:
@@ -92,14 +105,16 @@ class Forward:
         for seg in window.segments:
             seg_rows = slice(seg.start, seg.stop)
             state = seg.state
-            conv_out, state.conv[i] = causal_conv1d(mixed[seg_rows], w["conv"], state.conv[i])
+            conv_out, history = causal_conv1d(mixed[seg_rows], w["conv"], state.conv[i])
+            state.conv[i].copy_(history)
             q, k, v = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
             n = seg.num_rows
             q = q.reshape(n, g.num_k_heads, g.k_head_dim)
             k = k.reshape(n, g.num_k_heads, g.k_head_dim)
             v = v.reshape(n, g.num_v_heads, g.v_head_dim)
             rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
-            out[seg_rows], state.recurrent[i] = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
+            out[seg_rows], new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
+            state.recurrent[i].copy_(new_state)
         out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
         return rows(F.linear, out.reshape(r, -1), w["out"])
 

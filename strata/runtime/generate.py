@@ -14,7 +14,7 @@ from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
 from strata.runtime.sampling import SamplingParams, sample, token_counts
 from strata.runtime.window import Window
-from strata.state.session import SessionState
+from strata.state.session import SessionState, StatePool
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Engine:
 
     def __init__(self, files: ModelFiles | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
-                 weights: StageWeights | None = None):
+                 weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True):
         """Load `files` onto `device`; or, for benchmarks, run given `spec` + `weights` (no tokenizer)."""
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
@@ -37,7 +37,11 @@ class Engine:
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
         self.weights = files.load(self.device, dtype) if files is not None else weights
-        self.forward = Forward(self.spec, self.weights, self.device, dtype)
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" else "torch"
+        self.kernels = kernels
+        self.forward = Forward(self.spec, self.weights, self.device, dtype, kernels,
+                               cuda_graphs=cuda_graphs and kernels == "triton" and self.device.type == "cuda")
 
     def init_slots(self, num_slots: int) -> "Slots":
         """Batch slots that decode several sequences together (see `strata.runtime.slots`)."""
@@ -46,7 +50,10 @@ class Engine:
         return Slots(self, num_slots)
 
     def new_state(self) -> SessionState:
-        return SessionState(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype)
+        return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype)
+
+    def new_pool(self, num_seqs: int) -> StatePool:
+        return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

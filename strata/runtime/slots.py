@@ -63,7 +63,8 @@ class Slots:
         if not 1 <= num_slots <= 256:
             raise StrataError(f"--batch {num_slots}: the number of slots must be between 1 and 256")
         self.engine = engine
-        self.slots = [Slot(engine.new_state()) for _ in range(num_slots)]
+        self.pool = engine.new_pool(num_slots)  # every slot's state in one tensor per layer
+        self.slots = [Slot(state) for state in self.pool.sessions()]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-window")
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
 

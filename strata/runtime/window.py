@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.state.session import SessionState
+from strata.state.session import SessionState, StatePool
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Window:
     positions: torch.Tensor  # [R] int64
     segments: list[Segment]
     logit_rows: torch.Tensor  # [N] int64: the rows whose next-token logits are wanted
+    pool: StatePool | None = None  # the pool holding every segment's state, when they share one
+    seq_ids: torch.Tensor | None = None  # [S] int32: each segment's index in `pool`
 
     @property
     def num_rows(self) -> int:
@@ -52,7 +54,10 @@ class Window:
             logit_rows += range(row, row + len(ids)) if all_logits else [row + len(ids) - 1]
             row += len(ids)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows))
+        pools = {id(s.state.pool): s.state.pool for s in segments}
+        pool = next(iter(pools.values())) if len(pools) == 1 else None
+        seq_ids = torch.tensor([s.state.index for s in segments], dtype=torch.int32, device=device)
+        return cls(as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool, seq_ids)
 
     def commit(self) -> None:
         """Every row was kept: advance each sequence past its rows."""

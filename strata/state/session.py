@@ -1,4 +1,9 @@
-"""Per-sequence state: the K/V cells of its attention layers and the conv + recurrent state of its GDN layers."""
+"""Per-sequence state: the K/V cells of its attention layers and the conv + recurrent state of its GDN layers.
+
+A `StatePool` holds the state of several sequences of one stage, one tensor per layer indexed by sequence
+(`k[layer]`: [S, max_cells, Hkv, D]), so a decode window over many sequences is one kernel launch per layer
+that indexes by each row's sequence id. A `SessionState` is one sequence's views into a pool.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,52 @@ from strata.errors import PromptTooLong
 from strata.model.spec import ModelSpec
 
 
-class SessionState:
-    """One sequence's state over a range of layers, sized by `max_cells` positions.
-
-    `length` is the number of committed positions: cells [0, length) hold valid K/V and the GDN
-    states have absorbed exactly those tokens.
-    """
-
-    def __init__(self, spec: ModelSpec, layers: range, max_cells: int, device: torch.device, dtype: torch.dtype):
-        self.layers = layers
-        self.max_cells = max_cells
-        self.length = 0
-        self.tokens: list[int] = []  # the committed tokens, cell by cell: what a later request may reuse
+class StatePool:
+    def __init__(self, spec: ModelSpec, layers: range, num_seqs: int, max_cells: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.layers, self.num_seqs, self.max_cells = layers, num_seqs, max_cells
         att = spec.attention
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        for i in spec.attention_layers(layers):
-            self.k[i] = torch.zeros(max_cells, att.num_kv_heads, att.head_dim, device=device, dtype=dtype)  # [L, Hkv, D]
-            self.v[i] = torch.zeros(max_cells, att.num_kv_heads, att.head_dim, device=device, dtype=dtype)
+        kv_shape = (num_seqs, max_cells, att.num_kv_heads, att.head_dim)
+        self.k = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in spec.attention_layers(layers)}
+        self.v = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in spec.attention_layers(layers)}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         if spec.gdn is not None:
             g = spec.gdn
             for i in spec.gdn_layers(layers):
-                self.conv[i] = torch.zeros(g.conv_kernel - 1, g.conv_dim, device=device, dtype=dtype)  # [K-1, C]
-                self.recurrent[i] = torch.zeros(
-                    g.num_v_heads, g.k_head_dim, g.v_head_dim, device=device, dtype=torch.float32
-                )  # [Hv, Dk, Dv]
+                self.conv[i] = torch.zeros(num_seqs, g.conv_kernel - 1, g.conv_dim, device=device, dtype=dtype)
+                self.recurrent[i] = torch.zeros(num_seqs, g.num_v_heads, g.k_head_dim, g.v_head_dim, device=device,
+                                                dtype=torch.float32)
+
+    def sessions(self) -> list["SessionState"]:
+        return [SessionState(self, s) for s in range(self.num_seqs)]
+
+    def nbytes(self) -> int:
+        tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class SessionState:
+    """One sequence's state over a range of layers, sized by `max_cells` positions.
+
+    `length` is the number of committed positions: cells [0, length) hold valid K/V and the GDN
+    states have absorbed exactly those tokens (`tokens`).
+    """
+
+    def __init__(self, pool: StatePool, index: int):
+        self.pool, self.index = pool, index
+        self.layers, self.max_cells = pool.layers, pool.max_cells
+        self.length = 0
+        self.tokens: list[int] = []  # the committed tokens, cell by cell: what a later request may reuse
+        self.k = {i: t[index] for i, t in pool.k.items()}  # [L, Hkv, D] views
+        self.v = {i: t[index] for i, t in pool.v.items()}
+        self.conv = {i: t[index] for i, t in pool.conv.items()}  # [K-1, C]
+        self.recurrent = {i: t[index] for i, t in pool.recurrent.items()}  # [Hv, Dk, Dv] float32
+
+    @classmethod
+    def standalone(cls, spec: ModelSpec, layers: range, max_cells: int, device: torch.device,
+                   dtype: torch.dtype) -> "SessionState":
+        return cls(StatePool(spec, layers, 1, max_cells, device, dtype), 0)
 
     def reserve(self, n: int) -> None:
         """Refuse a window that would write past the last cell."""

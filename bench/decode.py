@@ -1,0 +1,207 @@
+"""Decode speed on the GPU at real MoE shapes, against `transformers` on the same weights and the roofline.
+
+For each number of concurrent conversations it prints, side by side: Strata's total tokens/s (batch slots,
+Triton decode kernels, CUDA graphs), `transformers.generate` on the very same weights (its model's tensors are
+shared with Strata's, not copied), and the step's roofline: measured copy bandwidth over the bytes the step
+must read (dense weights, the distinct experts its rows actually routed to, the K/V cells and GDN states).
+Before timing it checks that a row's logits are bitwise the same alone and in a batch, and that greedy
+conversations in a batch equal their solo runs.
+
+    python bench/decode.py --shape qwen3-30b-a3b --concurrency 1,8,32,64
+    python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def hf_model(shape: str, num_layers: int | None, device: str):
+    """A `transformers` model at the shape, random weights (its own init, std 0.02: near-uniform routing), bf16."""
+    import transformers
+
+    if shape == "qwen3-30b-a3b":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, num_hidden_layers=num_layers or 48, num_attention_heads=32,
+            num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+            num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        n = num_layers or 48
+        cfg = transformers.Qwen3NextConfig(
+            vocab_size=151936, hidden_size=2048, num_hidden_layers=n, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, partial_rotary_factor=0.25, rope_theta=1e7, linear_num_key_heads=16,
+            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            intermediate_size=5120, norm_topk_prob=True,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
+        cls = transformers.Qwen3NextForCausalLM
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("A_log") or name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=gen, device=device) * 0.1 + (0.0 if "norm" in name and shape != "qwen3-30b-a3b" else 0.95))
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def strata_engine(model, device: str):
+    from strata.model.checkpoint import StateDictCheckpoint
+    from strata.model.families import build_spec
+    from strata.model.weights import load_stage_weights
+    from strata.runtime.generate import Engine
+
+    config = model.config.to_dict()
+    ckpt = StateDictCheckpoint(config, dict(model.state_dict()))
+    family, spec = build_spec(config, "bench")
+    weights = load_stage_weights(ckpt, family, spec, range(spec.num_layers), torch.device(device), torch.bfloat16)
+    return Engine(None, device=device, dtype=torch.bfloat16, max_cells=1024, spec=spec, weights=weights)
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def step_bytes(engine, rows: int, context: int, distinct_experts: float) -> float:
+    """Bytes one decode step over `rows` conversations at `context` positions must read."""
+    spec, w = engine.spec, engine.weights
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    total = size(w.lm_head) + rows * spec.hidden_size * 2
+    for i, layer in w.layers.items():
+        for name, t in layer.items():
+            if name.startswith("experts_"):
+                total += size(t) / spec.moe.num_experts * distinct_experts
+            else:
+                total += size(t)
+        if spec.layers[i].mixer == "attention":
+            a = spec.attention
+            total += rows * context * 2 * a.num_kv_heads * a.head_dim * 2
+        else:
+            g = spec.gdn
+            total += rows * 2 * g.num_v_heads * g.k_head_dim * g.v_head_dim * 4
+    return total
+
+
+def distinct_experts(spec, rows: int) -> float:
+    """Expected distinct experts per layer for `rows` rows routed uniformly (the random weights route so)."""
+    if spec.moe is None:
+        return 0.0
+    e, k = spec.moe.num_experts, spec.moe.top_k
+    return e * (1 - (1 - k / e) ** rows)
+
+
+def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150) -> tuple[bool, bool]:
+    prompts = [[(1000 + 7919 * i + 104729 * j) % vocab for j in range(16 + i)] for i in range(64)]
+    none = frozenset()
+    # bitwise: the first decode step's logits of conversation 0 alone, in 8, in 64
+    logits = []
+    for count in (1, 8, 64):
+        slots = engine.init_slots(count)
+        for i in range(count):
+            slots.admit(i, prompts[i], 4, stop_ids=none)
+        sw = slots.run_slots()
+        logits.append(sw.logits[0].clone())
+        slots.commit_slots(sw)
+    invariant = all(torch.equal(logits[0], other) for other in logits[1:])
+    solo = [engine.generate(prompts[i], tokens, stop_ids=none).ids for i in range(n)]
+    slots = engine.init_slots(n)
+    got = {i: [slots.admit(i, prompts[i], tokens, stop_ids=none).token] for i in range(n)}
+    while slots.active:
+        for e in slots.commit_slots(slots.run_slots()):
+            got[e.slot].append(e.token)
+    return invariant, all(got[i] == solo[i] for i in range(n))
+
+
+def time_strata(engine, rows: int, tokens: int, prompt_len: int) -> float:
+    vocab = engine.spec.vocab_size
+    slots = engine.init_slots(rows)
+    for i in range(rows):
+        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 3, stop_ids=frozenset())
+    for _ in range(2):  # capture the graph for this row count
+        slots.commit_slots(slots.run_slots())
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(tokens):
+        slots.commit_slots(slots.run_slots())
+    torch.cuda.synchronize()
+    return rows * tokens / (time.perf_counter() - start)
+
+
+def time_transformers(model, rows: int, tokens: int, prompt_len: int) -> float:
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)] for i in range(rows)], device=model.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    return rows * tokens / ((t2 - t1) - (t1 - t0))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
+    p.add_argument("--layers", type=int)
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-checks", action="store_true")
+    args = p.parse_args()
+    device = "cuda"
+
+    model = hf_model(args.shape, args.layers, device)
+    engine = strata_engine(model, device)
+    spec = engine.spec
+    bw = copy_bandwidth(device)
+    print(f"{args.shape}, {spec.num_layers} layers, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {engine.weights.nbytes() / 1e9:.1f} GB")
+    if not args.skip_checks:
+        invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
+        print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
+              f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
+    print(f"{'conv':>5} {'strata tok/s':>13} {'transformers':>13} {'speedup':>8} {'experts/layer':>14} "
+          f"{'roofline tok/s':>15} {'of roofline':>12}")
+    for rows in [int(c) for c in args.concurrency.split(",")]:
+        ours = time_strata(engine, rows, args.tokens, args.prompt_len)
+        ref = None if args.skip_transformers else time_transformers(model, rows, args.tokens, args.prompt_len)
+        experts = distinct_experts(spec, rows)
+        roof = rows * bw / step_bytes(engine, rows, args.prompt_len + args.tokens // 2, experts)
+        ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
+        speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
+        print(f"{rows:>5} {ours:13.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The decode window on Triton kernels, replayed from CUDA graphs.
+
+A decode window (one row per sequence, every sequence in one `StatePool`) runs as a fixed sequence of
+kernel launches whose shapes depend only on the number of rows: row-invariant Triton kernels for every
+per-row op (projections, norms, rotary, router, experts, head), and per-row kernels that index the pool by
+each row's sequence id for attention and the Gated DeltaNet step. No launch waits for the host, so on a GPU
+the whole window is captured once per row count as a CUDA graph and replayed with its inputs copied into
+static buffers. A row's logits are bitwise the same alone or among any other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.attention import decode_attention_triton
+from strata.kernels.gdn import gdn_decode_triton
+from strata.kernels.linear import linear_triton
+from strata.kernels.moe import moe_triton
+from strata.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
+from strata.kernels.rope import apply_rope_triton
+from strata.model.spec import ModelSpec
+from strata.model.weights import StageWeights, Tensors
+from strata.state.session import StatePool
+
+
+class TritonDecode:
+    """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
+
+    def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor):
+        self.spec, self.weights, self.inv_freq = spec, weights, inv_freq
+        self.scale = spec.attention.head_dim**-0.5
+
+    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        eps = self.spec.rms_eps
+        x = F.embedding(tokens, self.weights.embed)  # [R, hidden]
+        for i, w in self.weights.layers.items():
+            h = rms_norm_triton(x, w["attn_norm"], eps)
+            if self.spec.layers[i].mixer == "attention":
+                h = self._attention(i, w, h, pool, positions, seq_ids)
+            else:
+                h = self._gdn(i, w, h, pool, seq_ids)
+            x = x + h
+            h = rms_norm_triton(x, w["mlp_norm"], eps)
+            x = x + self._mlp(i, w, h)
+        h = rms_norm_triton(x, self.weights.final_norm, eps)
+        return linear_triton(h, self.weights.lm_head).float()  # [R, V]
+
+    def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
+        a = self.spec.attention
+        r, d = x.shape[0], a.head_dim
+        qkv = linear_triton(x, w["qkv"], w.get("qkv_bias"))
+        q_out = a.num_heads * d * (2 if a.output_gate else 1)
+        q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
+        gate = None
+        if a.output_gate:
+            q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(r, -1)
+        q = q.reshape(r, a.num_heads, d)
+        k = k.reshape(r, a.num_kv_heads, d)
+        v = v.reshape(r, a.num_kv_heads, d)
+        if a.qk_norm:
+            q = rms_norm_triton(q, w["q_norm"], self.spec.rms_eps)
+            k = rms_norm_triton(k, w["k_norm"], self.spec.rms_eps)
+        q = apply_rope_triton(q, positions, self.inv_freq, a.rotary_dim)
+        k = apply_rope_triton(k, positions, self.inv_freq, a.rotary_dim)
+        seq, pos = seq_ids.long(), positions.long()
+        pool.k[i][seq, pos] = k  # each row writes its own cell
+        pool.v[i][seq, pos] = v
+        out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale).reshape(r, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return linear_triton(out, w["o"])
+
+    def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
+        g = self.spec.gdn
+        r = x.shape[0]
+        proj = linear_triton(x, w["in_proj"])
+        mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
+        beta = torch.sigmoid(b)
+        decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv]
+        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
+                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
+        out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
+        return linear_triton(out.reshape(r, -1), w["out"])
+
+    def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:
+        if self.spec.layers[i].mlp == "dense":
+            gate, up = linear_triton(x, w["gate_up"]).chunk(2, dim=-1)
+            return linear_triton(F.silu(gate) * up, w["down"])
+        m = self.spec.moe
+        shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
+        return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
+                          w.get("shared_gate"), linear=linear_triton)
+
+
+class GraphedDecode:
+    """Captures `TritonDecode` once per (pool, row count) as a CUDA graph and replays it."""
+
+    WARMUP = 2
+
+    def __init__(self, decode: TritonDecode):
+        self.decode = decode
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
+        self.memory_pool = None
+
+    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        key = (id(pool), tokens.shape[0])
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(pool, tokens, positions, seq_ids)
+            self.graphs[key] = entry
+        graph, (t_buf, p_buf, s_buf), out = entry
+        t_buf.copy_(tokens)
+        p_buf.copy_(positions)
+        s_buf.copy_(seq_ids)
+        graph.replay()
+        return out
+
+    def _capture(self, pool, tokens, positions, seq_ids):
+        bufs = (tokens.clone(), positions.clone(), seq_ids.clone())
+        # Warm-up runs (Triton compiles here) rewrite the K/V cells the real window writes anyway, but they
+        # advance the rows' GDN states: keep those states and put them back before the real step.
+        rows = seq_ids.long()
+        saved = [(t, t[rows].clone()) for t in (*pool.conv.values(), *pool.recurrent.values())]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP):
+                self.decode(pool, *bufs)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, snapshot in saved:
+            t[rows] = snapshot
+        graph = torch.cuda.CUDAGraph()
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            out = self.decode(pool, *bufs)
+        return graph, bufs, out

@@ -1,0 +1,124 @@
+"""The Triton GDN decode step (conv + delta rule, pools updated in place) against the torch references
+composed row by row, on odd sizes, under the Triton interpreter."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from strata.kernels.gdn import causal_conv1d, gated_delta_rule_step, gdn_decode_triton  # noqa: E402
+
+K, S = 4, 6
+SEQS = {1: [4], 3: [5, 0, 2], 5: [3, 1, 5, 0, 4]}  # R -> seq_ids, a subset of the S sequences in some order
+# (R, Hk, Hv, Dk, Dv); Dv=72 spans two Dv blocks of the recurrence kernel
+SHAPES = [(1, 2, 4, 12, 20), (3, 3, 3, 16, 24), (5, 2, 4, 16, 20), (3, 2, 4, 12, 24), (1, 1, 2, 16, 72)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+STATE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
+
+
+def _id(shape):
+    r, hk, hv, dk, dv = shape
+    return f"R={r}-Hk={hk}-Hv={hv}-Dk={dk}-Dv={dv}"
+
+
+def make_layer(hk, hv, dk, dv, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    c = 2 * hk * dk + hv * dv
+    conv_w = (0.5 * torch.randn(c, K, generator=gen)).to(dtype)  # [C, K]
+    conv_pool = torch.randn(S, K - 1, c, generator=gen).to(dtype)  # [S, K-1, C]
+    rec_pool = 0.5 * torch.randn(S, hv, dk, dv, generator=gen)  # [S, Hv, Dk, Dv] float32
+    return conv_w, conv_pool, rec_pool
+
+
+def make_token(r, hk, hv, dk, dv, dtype, seed):
+    gen = torch.Generator().manual_seed(1000 + seed)
+    c = 2 * hk * dk + hv * dv
+    proj = torch.randn(r, c + 3, generator=gen).to(dtype)  # [R, C+3]: mixed is a strided view, as in forward
+    decay = -F.softplus(torch.randn(r, hv, generator=gen))  # [R, Hv] float32, <= 0
+    beta = torch.sigmoid(torch.randn(r, hv, generator=gen)).to(dtype)  # [R, Hv]
+    return proj[:, :c], decay, beta
+
+
+def reference(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv):
+    """causal_conv1d + gated_delta_rule_step row by row; returns out and updated copies of the pools."""
+    conv_pool, rec_pool = conv_pool.clone(), rec_pool.clone()
+    outs = []
+    for r, s in enumerate(seq_ids.tolist()):
+        conv_out, conv_pool[s] = causal_conv1d(mixed[r : r + 1], conv_w, conv_pool[s])
+        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(1, hk, dk), k.reshape(1, hk, dk), v.reshape(1, hv, dv)
+        out, rec_pool[s] = gated_delta_rule_step(q, k, v, decay[r : r + 1], beta[r : r + 1], rec_pool[s])
+        outs.append(out)
+    return torch.cat(outs), conv_pool, rec_pool
+
+
+def run_both(shape, dtype, steps):
+    r, hk, hv, dk, dv = shape
+    seq_ids = torch.tensor(SEQS[r], dtype=torch.int32)
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, dtype)
+    ref_conv, ref_rec = conv_pool.clone(), rec_pool.clone()
+    for step in range(steps):
+        mixed, decay, beta = make_token(r, hk, hv, dk, dv, dtype, seed=step)
+        expected, ref_conv, ref_rec = reference(mixed, conv_w, ref_conv, ref_rec, seq_ids, decay, beta, hk, hv, dk, dv)
+        out = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
+        assert out.dtype == dtype and out.shape == (r, hv, dv)
+        torch.testing.assert_close(out, expected, **TOL[dtype])
+        torch.testing.assert_close(conv_pool, ref_conv, rtol=0, atol=0)  # the history is copied, not computed
+        torch.testing.assert_close(rec_pool, ref_rec, **STATE_TOL[dtype])
+        if dtype == torch.float16:  # keep the two on the same history so fp16 errors do not compound
+            rec_pool.copy_(ref_rec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def test_one_step_matches_reference(shape, dtype):
+    run_both(shape, dtype, steps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [(3, 2, 4, 12, 20), (1, 3, 3, 16, 24)], ids=_id)
+def test_five_steps_in_a_row(shape, dtype):
+    run_both(shape, dtype, steps=5)
+
+
+def test_other_sequences_untouched():
+    hk, hv, dk, dv = 2, 4, 12, 20
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, torch.float32)
+    conv_before, rec_before = conv_pool.clone(), rec_pool.clone()
+    seq_ids = torch.tensor([5, 2], dtype=torch.int32)
+    mixed, decay, beta = make_token(2, hk, hv, dk, dv, torch.float32, seed=0)
+    gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
+    for s in (0, 1, 3, 4):
+        assert torch.equal(conv_pool[s], conv_before[s]) and torch.equal(rec_pool[s], rec_before[s])
+    for s in (5, 2):
+        assert not torch.equal(conv_pool[s], conv_before[s]) and not torch.equal(rec_pool[s], rec_before[s])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_row_alone_equals_row_in_batch(dtype):
+    hk, hv, dk, dv = 2, 4, 16, 24
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, dtype)
+    mixed, decay, beta = make_token(5, hk, hv, dk, dv, dtype, seed=7)
+    seq_ids = torch.tensor([3, 1, 5, 0, 4], dtype=torch.int32)
+    row, seq = 2, 5
+
+    alone_conv, alone_rec = conv_pool.clone(), rec_pool.clone()
+    one = slice(row, row + 1)
+    alone = gdn_decode_triton(
+        mixed[one], conv_w, alone_conv, alone_rec, seq_ids[one], decay[one], beta[one], hk, hv, dk, dv
+    )
+    batched = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
+    assert torch.equal(alone[0], batched[row])
+    assert torch.equal(alone_conv[seq], conv_pool[seq]) and torch.equal(alone_rec[seq], rec_pool[seq])
+
+
+def test_no_rows():
+    hk, hv, dk, dv = 2, 4, 12, 20
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, torch.float32)
+    mixed, decay, beta = make_token(0, hk, hv, dk, dv, torch.float32, seed=0)
+    seq_ids = torch.zeros(0, dtype=torch.int32)
+    out = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
+    assert out.shape == (0, hv, dv)
