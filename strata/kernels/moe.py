@@ -1,4 +1,8 @@
-"""Mixture-of-experts MLP as a torch reference: router top-k, routed SwiGLU experts, optional gated shared expert."""
+"""Mixture-of-experts MLP: router top-k, routed SwiGLU experts, optional gated shared expert.
+
+The torch reference (`route`, `swiglu`, `routed_experts`, `moe`) and, beside it, Triton kernels
+(`route_triton`, `fused_experts_triton`, `moe_triton`) that run without a host sync on a grid fixed by
+the shapes, and give each row the same bits whatever other rows share the call."""
 
 from __future__ import annotations
 
@@ -6,11 +10,13 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
+import triton
+import triton.language as tl
 
 from strata.kernels.invariant import plain
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
+Linear = Callable[..., torch.Tensor]  # F.linear or a row-invariant linear
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
@@ -22,10 +28,10 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return weights.to(x.dtype), ids
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
     """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -66,5 +72,188 @@ def moe(
         s = rows(swiglu, x, *shared)
         if shared_gate is not None:
             s = torch.sigmoid(rows(F.linear, x, shared_gate)) * s
+        out = out + s
+    return out
+
+
+# --- Triton ---------------------------------------------------------------------------------------------------------
+
+BLOCK_M = 16  # (row, choice) pairs of one expert per tile: the tensor-core minimum
+BLOCK_N = 64  # output columns per tile
+BLOCK_K = 64  # reduction step: fixed, so a row's sums run in the same order whatever shares its tile
+
+
+@triton.jit
+def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
+                  K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+    i_r = tl.program_id(0)
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_p = tl.load(p_logits + i_r * s_r + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+    b_p = tl.exp(b_p - tl.max(b_p, axis=0))
+    b_p = b_p / tl.sum(b_p, axis=0)
+    b_p = tl.where(m_e, b_p, -1.0)  # padding lanes are never picked
+    o_j = tl.arange(0, BLOCK_TOP)
+    b_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    b_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    for j in tl.static_range(K_TOP):
+        b_max = tl.max(b_p, axis=0)
+        i_e = tl.min(tl.where(b_p == b_max, o_e, BLOCK_E), axis=0)  # ties -> lowest expert id
+        b_w = tl.where(o_j == j, b_max, b_w)
+        b_i = tl.where(o_j == j, i_e, b_i)
+        b_p = tl.where(o_e == i_e, -1.0, b_p)
+    if NORM_TOPK:
+        b_w = b_w / tl.sum(b_w, axis=0)
+    m_j = o_j < K_TOP
+    tl.store(p_weights + i_r * K_TOP + o_j, b_w, mask=m_j)
+    tl.store(p_ids + i_r * K_TOP + o_j, b_i, mask=m_j)
+
+
+def route_triton(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [R, E] router logits (any float dtype) -> (weights [R, k] float32, expert ids [R, k] int32).
+    Softmax in float32 and top-k like `route`, one program per row."""
+    R, E = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(R, top_k, dtype=torch.float32, device=logits.device)  # [R, k]
+    ids = torch.empty(R, top_k, dtype=torch.int32, device=logits.device)  # [R, k]
+    if R:
+        _route_kernel[(R,)](logits, weights, ids, E, logits.stride(0), K_TOP=top_k, NORM_TOPK=norm_topk,
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
+@triton.jit
+def _gate_up_kernel(p_x, p_w, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                    K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile of one expert's pairs."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    i_e = tl.load(p_expert + i_b)
+    if i_e >= E:  # past the last used block
+        return
+    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
+    m_m = b_pair < P
+    b_row = b_pair // K_TOP
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    p_gate = p_w + i_e.to(tl.int64) * s_we + o_n[None, :] * s_wn  # [1, BN]
+    p_up = p_gate + I * s_wn
+    b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)  # [BM, BK]
+        m_w = m_k[:, None] & m_n[None, :]
+        b_wg = tl.load(p_gate + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
+        b_wu = tl.load(p_up + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
+        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision="ieee")
+        b_up = tl.dot(b_x, b_wu, b_up, input_precision="ieee")
+    b_h = b_gate * tl.sigmoid(b_gate) * b_up
+    tl.store(p_h + b_pair[:, None].to(tl.int64) * I + o_n[None, :], b_h.to(p_h.dtype.element_ty),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(p_h, p_w, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_wn, s_wk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile of one expert's pairs."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    i_e = tl.load(p_expert + i_b)
+    if i_e >= E:
+        return
+    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    m_m = b_pair < P
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    p_down = p_w + i_e.to(tl.int64) * s_we + o_n[None, :] * s_wn  # [1, BN]
+    b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < I
+        b_h = tl.load(p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)  # [BM, BK]
+        b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
+        b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
+    b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
+    tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y * b_route[:, None],
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[row] = sum of the row's k pair outputs, in ascending expert id."""
+    i_r, i_n = tl.program_id(0), tl.program_id(1)
+    o_j = tl.arange(0, BLOCK_TOP)
+    b_ids = tl.load(p_ids + i_r * K_TOP + o_j, mask=o_j < K_TOP, other=E)  # [BT], E in padding lanes
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    b_out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for _ in tl.static_range(K_TOP):
+        i_j = tl.min(tl.where(b_ids == tl.min(b_ids, axis=0), o_j, BLOCK_TOP), axis=0)
+        b_ids = tl.where(o_j == i_j, E, b_ids)
+        b_out += tl.load(p_y + (i_r * K_TOP + i_j).to(tl.int64) * H + o_n, mask=m_n, other=0.0)
+    tl.store(p_out + i_r.to(tl.int64) * H + o_n, b_out.to(p_out.dtype.element_ty), mask=m_n)
+
+
+def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor) -> torch.Tensor:
+    """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
+    Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
+    BLOCK_M pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes."""
+    R, H = x.shape
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    k = ids.shape[1]
+    P = R * k
+    out = torch.empty_like(x)  # [R, H]
+    if P == 0:
+        return out
+    x, ids = x.contiguous(), ids.contiguous()
+    dev = x.device
+    flat = ids.reshape(-1).long()  # [P]
+    order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
+    sorted_e = flat[order]  # [P]
+    experts = torch.arange(E, device=dev)  # [E]
+    starts = torch.searchsorted(sorted_e, experts)  # [E] (bincount would sync on CUDA)
+    counts = torch.searchsorted(sorted_e, experts, right=True) - starts  # [E]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
+    block_ends = blocks.cumsum(0)  # [E]
+    max_blocks = triton.cdiv(P, BLOCK_M) + min(E, P)  # >= the tiles used, whatever the routing
+    slot = (block_ends - blocks)[sorted_e] * BLOCK_M + torch.arange(P, device=dev) - starts[sorted_e]  # [P]
+    pair_of_slot = torch.full((max_blocks * BLOCK_M,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM]
+    pair_of_slot[slot] = order.int()
+    expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()  # [max_blocks], E = unused
+
+    h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
+    _gate_up_kernel[(max_blocks, triton.cdiv(I, BLOCK_N))](
+        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(),
+        K_TOP=k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
+    _down_kernel[(max_blocks, triton.cdiv(H, BLOCK_N))](
+        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _combine_kernel[(R, triton.cdiv(H, BLOCK_N))](
+        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=BLOCK_N)
+    return out
+
+
+def moe_triton(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_gate: torch.Tensor | None = None,
+    linear: Linear = F.linear,
+) -> torch.Tensor:
+    """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products."""
+    weights, ids = route_triton(linear(x, router), top_k, norm_topk)
+    out = fused_experts_triton(x, weights, ids, gate_up, down)
+    if shared is not None:
+        s = swiglu(x, *shared, linear=linear)
+        if shared_gate is not None:
+            s = torch.sigmoid(linear(x, shared_gate)) * s
         out = out + s
     return out

@@ -1,0 +1,136 @@
+"""Triton MoE kernels against the torch reference (`route`, `routed_experts`, `moe`) under the Triton
+interpreter, on small odd sizes; and each row's output bitwise the same alone or among 33 rows."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton or strata.kernels are imported
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+if not isinstance(tl.sum, InterpretedFunction):
+    pytest.skip("triton was imported (by an earlier test module) before TRITON_INTERPRET=1 was set: "
+                "set it in tests/conftest.py or the environment", allow_module_level=True)
+
+from strata.kernels.moe import fused_experts_triton, moe, moe_triton, route, route_triton, routed_experts  # noqa: E402
+
+HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
+ROWS = [1, 3, 7, 33]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_weights(dtype, seed=0):
+    """router [E, H], gate_up [E, 2I, H], down [E, H, I], shared ([2S, H], [H, S]), shared_gate [1, H]."""
+    g = _gen(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
+
+    return dict(router=rand(EXPERTS, HIDDEN), gate_up=rand(EXPERTS, 2 * INTER, HIDDEN), down=rand(EXPERTS, HIDDEN, INTER),
+                shared=(rand(2 * SHARED, HIDDEN), rand(HIDDEN, SHARED)), shared_gate=rand(1, HIDDEN))
+
+
+def make_x(rows, dtype, seed=1):
+    return torch.randn(rows, HIDDEN, generator=_gen(seed)).to(dtype)
+
+
+def routing(rows, top_k, seed=2, experts=EXPERTS - 2):
+    """Random distinct experts per row among the first `experts` (the last ones unused), random weights."""
+    g = _gen(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])  # [R, k]
+    weights = torch.rand(rows, top_k, generator=g)  # [R, k]
+    return weights, ids
+
+
+@pytest.mark.parametrize("norm_topk", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (8, 3), (60, 5), (512, 8)], ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", [1, 7, 33], ids=lambda r: f"R={r}")
+def test_route_matches_reference(rows, experts, top_k, norm_topk):
+    logits = torch.randn(rows, experts, generator=_gen(rows + experts))  # distinct values
+    weights, ids = route_triton(logits, top_k, norm_topk)
+    ref_weights, ref_ids = route(logits, torch.eye(experts), top_k, norm_topk)  # identity router: logits through
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_route_ties_pick_lowest_expert():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0]])
+    _, ids = route_triton(logits, 3, True)
+    assert ids.tolist() == [[1, 2, 4]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("top_k", [2, 3], ids=lambda k: f"k={k}")
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"R={r}-H={HIDDEN}-E={EXPERTS}-I={INTER}")
+def test_fused_experts_match_reference(rows, top_k, dtype):
+    w = make_weights(dtype)
+    x = make_x(rows, dtype)
+    weights, ids = routing(rows, top_k)
+    out = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"])
+    ref = routed_experts(x.float(), weights.to(dtype).float(), ids, w["gate_up"].float(), w["down"].float())
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_experts_all_rows_one_expert(dtype):
+    w = make_weights(dtype)
+    x = make_x(33, dtype)  # 33 pairs of expert 5: three tiles, the last one partly filled
+    ids = torch.full((33, 1), 5, dtype=torch.int32)
+    weights = torch.rand(33, 1, generator=_gen(3))
+    out = fused_experts_triton(x, weights, ids, w["gate_up"], w["down"])
+    ref = routed_experts(x.float(), weights, ids.long(), w["gate_up"].float(), w["down"].float())
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("top_k", [2, 3], ids=lambda k: f"k={k}")
+def test_fused_experts_rows_are_bitwise_independent(top_k, dtype):
+    w = make_weights(dtype)
+    x = make_x(33, dtype)
+    weights, ids = routing(33, top_k)
+    batched = fused_experts_triton(x, weights, ids, w["gate_up"], w["down"])
+    for i in [0, 5, 17, 32]:
+        alone = fused_experts_triton(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w["gate_up"], w["down"])
+        assert torch.equal(alone[0], batched[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["shared", "shared+gate"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", [1, 7], ids=lambda r: f"R={r}-H={HIDDEN}-E={EXPERTS}-k=2-I={INTER}-S={SHARED}")
+def test_moe_matches_reference(rows, dtype, gated):
+    w = make_weights(dtype)
+    if not gated:
+        del w["shared_gate"]
+    x = make_x(rows, dtype)
+    out = moe_triton(x, top_k=2, norm_topk=True, **w)
+    ref = moe(x.float(), top_k=2, norm_topk=True, **{k: _float(v) for k, v in w.items()})
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_moe_without_shared_expert_and_with_own_linear():
+    w = make_weights(torch.float32)
+    x = make_x(3, torch.float32)
+    calls = []
+
+    def linear(a, b):
+        calls.append(tuple(b.shape))
+        return F.linear(a, b)
+
+    out = moe_triton(x, w["router"], w["gate_up"], w["down"], top_k=3, norm_topk=False, linear=linear)
+    torch.testing.assert_close(out, moe(x, w["router"], w["gate_up"], w["down"], top_k=3, norm_topk=False),
+                               **TOL[torch.float32])
+    assert calls == [(EXPERTS, HIDDEN)]
+
+
+def _float(v):
+    return tuple(t.float() for t in v) if isinstance(v, tuple) else v.float()
