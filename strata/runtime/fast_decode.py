@@ -95,21 +95,20 @@ class TritonDecode:
 
 
 class GraphedDecode:
-    """Captures `TritonDecode` once per (pool, row count) as a CUDA graph and replays it."""
+    """Captures `TritonDecode` once per (pool, row count) as a CUDA graph and replays it. A graph replays the
+    kernels on the pool's own tensors, so it is stored on the pool."""
 
     WARMUP = 2
 
     def __init__(self, decode: TritonDecode):
         self.decode = decode
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
         self.memory_pool = None
 
     def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        key = (id(pool), tokens.shape[0])
-        entry = self.graphs.get(key)
+        graphs = pool.__dict__.setdefault("cuda_graphs", {})  # captured against this pool's tensors: they live and die with it
+        entry = graphs.get(tokens.shape[0])
         if entry is None:
-            entry = self._capture(pool, tokens, positions, seq_ids)
-            self.graphs[key] = entry
+            entry = graphs[tokens.shape[0]] = self._capture(pool, tokens, positions, seq_ids)
         graph, (t_buf, p_buf, s_buf), out = entry
         t_buf.copy_(tokens)
         p_buf.copy_(positions)
