@@ -44,8 +44,8 @@ def hf_model(shape: str, num_layers: int | None, device: str):
             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
         cls = transformers.Qwen3NextForCausalLM
     with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to_empty(device=device).to(torch.bfloat16)
+        model = cls(cfg).to(torch.bfloat16)  # on the meta device: the real tensors are made in bf16 directly
+    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -155,6 +155,7 @@ class EngineClient:
         job.where = "solo"
         self.solo = job
         self.metrics.scheduled(job.record, time.monotonic())
+        self.metrics.prefix_cache(len(job.request.ids), 0)
         self._pending.append(job)
         self._send("GEN " + protocol.format_request(job.request))
         self._update_load()
@@ -166,8 +167,11 @@ class EngineClient:
         if resume:
             request = Request(request.max_new, request.params, request.stop_ids, request.ignore_eos,
                               request.ids + resume, len(resume))
+            # the engine reuses the stopped solo session: all but the last token come from it
+            self.metrics.prefix_cache(len(request.ids), len(request.ids) - 1)
         else:
             self.metrics.scheduled(job.record, time.monotonic())
+            self.metrics.prefix_cache(len(request.ids), 0)
         self._pending.append(job)
         self._send(f"BGEN {slot} " + protocol.format_request(request))
 

@@ -142,6 +142,10 @@ def _explain(e: ValidationError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["autoconfig"]:  # its own parser: it also has the `facts` subcommand
+        from autoconfig.cli import main as autoconfig_main
+
+        return autoconfig_main(argv[1:])
     try:
         CliApp.run(Strata, cli_args=_take_config(argv))
     except StrataError as e:

@@ -1,0 +1,62 @@
+"""Where the deploy tests find their real tools (helm, promtool, prometheus, hadolint), and small runners for them.
+
+`.ci/install-deploy-tools` installs them: helm, prometheus and promtool into $STRATA_TOOLS_DIR/bin (default
+~/.cache/strata-tools/bin), hadolint into this Python's bin/. A missing tool fails the test that needs it, with
+the command that installs it: these tests never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).parents[1]
+CHART = REPO / "helm" / "strata"
+INSTALL = ".ci/install-deploy-tools"
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get("STRATA_TOOLS_DIR", Path.home() / ".cache" / "strata-tools")) / "bin"
+
+
+def tool(name: str) -> str:
+    """The path of a tool: the tools folder first, then beside this Python, then PATH."""
+    for folder in (tools_dir(), Path(sys.executable).parent):
+        if (folder / name).is_file() and os.access(folder / name, os.X_OK):
+            return str(folder / name)
+    found = shutil.which(name)
+    if found:
+        return found
+    pytest.fail(f"`{name}` is not installed: run `{INSTALL}` (looked in {tools_dir()}, "
+                f"{Path(sys.executable).parent} and PATH)", pytrace=False)
+
+
+def run(args: list[str], timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        pytest.fail(f"`{' '.join(args)}` exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}", pytrace=False)
+    return proc
+
+
+def helm_template(*set_args: str, values: dict | None = None, tmp_path: Path | None = None) -> list[dict]:
+    """`helm template` of the chart with `--set` arguments (and a values file): the rendered objects."""
+    args = [tool("helm"), "template", "strata", str(CHART), "--namespace", "strata"]
+    if values is not None:
+        assert tmp_path is not None
+        path = tmp_path / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        args += ["-f", str(path)]
+    for s in set_args:
+        args += ["--set", s]
+    out = run(args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
