@@ -41,7 +41,8 @@ def run_generate(s: GenerateSettings) -> None:
     files = ModelFiles.open(s.model)
     prompt = _prompt_ids(s, files.tokenizer)
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs)
+                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
+                    **s.stage_options())
     engine.check_prompt(prompt)
     loaded = time.perf_counter()
     tok = files.tokenizer
@@ -76,7 +77,8 @@ def run_engine(s: EngineSettings) -> None:
     from strata.runtime.scheduler import Scheduler
 
     engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs)
+                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
+                    **s.stage_options())
     pipe = Pipe(sys.stdin, sys.stdout)
     pipe.serve(Scheduler(engine, s.batch, pipe.emit))
 

@@ -94,6 +94,17 @@ class EngineSettings(StrataSettings):
             raise StrataError(f"--device {self.device}: no CUDA GPU is visible here; use --device cpu")
         return device
 
+    def stage_options(self) -> dict:
+        """The layer-split settings, as `Engine` takes them."""
+        budget = None
+        if self.expert_budget_gb is not None:
+            try:
+                budget = [float(v) for v in self.expert_budget_gb.split(",")]
+            except ValueError:
+                raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
+        return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
+                    trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget)
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16

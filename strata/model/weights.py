@@ -33,10 +33,11 @@ class StageWeights:
     final_norm: torch.Tensor | None = None
     lm_head: torch.Tensor | None = None  # [V, hidden]; the embedding itself when tied
     mtp: Tensors = field(default_factory=dict)  # raw mtp.* tensors, kept for drafting
+    held: dict[int, Tensors] = field(default_factory=dict)  # other stages' dense tensors, when not trimmed (unused)
 
     def nbytes(self) -> int:
         seen, total = set(), 0
-        tensors = [t for layer in self.layers.values() for t in layer.values()]
+        tensors = [t for layers in (self.layers, self.held) for layer in layers.values() for t in layer.values()]
         tensors += [t for t in (self.embed, self.final_norm, self.lm_head) if t is not None] + list(self.mtp.values())
         for t in tensors:
             if t.data_ptr() not in seen:
@@ -158,20 +159,28 @@ def load_stage_weights(
     *,
     first: bool = True,
     last: bool = True,
+    trim: bool = True,
 ) -> StageWeights:
-    """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last)."""
+    """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last).
+
+    Without `trim`, a stage also holds every other layer's dense tensors (all but the routed experts), as an
+    untrimmed stage of the original system did: they are never used, only held (`--trim-stage-weights` off)."""
     r = _Reader(ckpt, device, dtype)
     pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
-    out: dict[int, Tensors] = {}
-    for i in layers:
+
+    def layer_tensors(i: int, experts: bool) -> Tensors:
         p = f"{pre}layers.{i}."
         layer = spec.layers[i]
         w = {"attn_norm": r.norm(f"{p}input_layernorm.weight", hidden, off),
              "mlp_norm": r.norm(f"{p}post_attention_layernorm.weight", hidden, off)}
         w |= _attention(r, f"{p}self_attn.", spec, off) if layer.mixer == "attention" else _gdn(r, f"{p}linear_attn.", spec, family)
-        w |= _mlp(r, f"{p}mlp.", spec, layer.mlp)
-        out[i] = w
-    weights = StageWeights(layers=out)
+        if experts or layer.mlp == "dense":
+            w |= _mlp(r, f"{p}mlp.", spec, layer.mlp)
+        return w
+
+    weights = StageWeights(layers={i: layer_tensors(i, experts=True) for i in layers})
+    if not trim:
+        weights.held = {i: layer_tensors(i, experts=False) for i in range(spec.num_layers) if i not in layers}
     embed_shape = (spec.vocab_size, hidden)
     if first or (last and spec.tie_embeddings):
         weights.embed = r.get(f"{pre}embed_tokens.weight", embed_shape)

@@ -31,9 +31,11 @@ class TritonDecode:
         self.spec, self.weights, self.inv_freq = spec, weights, inv_freq
         self.scale = spec.attention.head_dim**-0.5
 
-    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
+        logits [R, V] on the last stage, else this stage's hidden states."""
         eps = self.spec.rms_eps
-        x = F.embedding(tokens, self.weights.embed)  # [R, hidden]
+        x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
         for i, w in self.weights.layers.items():
             h = rms_norm_triton(x, w["attn_norm"], eps)
             if self.spec.layers[i].mixer == "attention":
@@ -43,6 +45,8 @@ class TritonDecode:
             x = x + h
             h = rms_norm_triton(x, w["mlp_norm"], eps)
             x = x + self._mlp(i, w, h)
+        if self.weights.final_norm is None:
+            return x
         h = rms_norm_triton(x, self.weights.final_norm, eps)
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
 
@@ -106,22 +110,24 @@ class GraphedDecode:
 
     def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         graphs = pool.__dict__.setdefault("cuda_graphs", {})  # captured against this pool's tensors: they live and die with it
-        entry = graphs.get(tokens.shape[0])
+        key = (id(self), tokens.shape[0])  # a pool may serve several stages, each with its own graphs
+        entry = graphs.get(key)
         if entry is None:
-            entry = graphs[tokens.shape[0]] = self._capture(pool, tokens, positions, seq_ids)
+            entry = graphs[key] = self._capture(pool, tokens, positions, seq_ids)
         graph, (t_buf, p_buf, s_buf), out = entry
         t_buf.copy_(tokens)
         p_buf.copy_(positions)
         s_buf.copy_(seq_ids)
         graph.replay()
-        return out
+        return out.clone()  # the graph's output buffer is rewritten by its next replay
 
     def _capture(self, pool, tokens, positions, seq_ids):
         bufs = (tokens.clone(), positions.clone(), seq_ids.clone())
         # Warm-up runs (Triton compiles here) rewrite the K/V cells the real window writes anyway, but they
         # advance the rows' GDN states: keep those states and put them back before the real step.
         rows = seq_ids.long()
-        saved = [(t, t[rows].clone()) for t in (*pool.conv.values(), *pool.recurrent.values())]
+        mine = self.decode.weights.layers
+        saved = [(t, t[rows].clone()) for states in (pool.conv, pool.recurrent) for i, t in states.items() if i in mine]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

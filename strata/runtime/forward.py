@@ -39,7 +39,7 @@ class Forward:
         return F.embedding(tokens, self.weights.embed)  # [R, hidden]
 
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
-        cos, sin = rope_cos_sin(window.positions, self.inv_freq, self.dtype)
+        cos, sin = rope_cos_sin(window.positions.to(self.device), self.inv_freq, self.dtype)
         eps = self.spec.rms_eps
         rows = _rows_for(window)
         for i, w in self.weights.layers.items():
@@ -55,14 +55,22 @@ class Forward:
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         rows = _rows_for(window)
-        h = rows(rms_norm, x[window.logit_rows], self.weights.final_norm, self.spec.rms_eps)
+        h = rows(rms_norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
         return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
+        return self.run_stage(window)
+
+    def run_stage(self, window: Window, x: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's share of a window: from the tokens (first stage, x None) or the previous stage's hidden
+        states x [R, hidden], to the next hidden states, or to the logits on the last stage."""
         if self.fast is not None and window.is_decode and window.pool is not None:
-            positions = window.positions.to(torch.int32)
-            return self.fast(window.pool, window.tokens, positions, window.seq_ids)
-        return self.head(self.layers(self.embed(window.tokens), window), window)
+            positions = window.positions.to(self.device, torch.int32)
+            inp = window.tokens.to(self.device) if x is None else x
+            return self.fast(window.pool, inp, positions, window.seq_ids.to(self.device))
+        x = self.embed(window.tokens.to(self.device)) if x is None else x
+        x = self.layers(x, window)
+        return self.head(x, window) if self.weights.final_norm is not None else x
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, rows) -> torch.Tensor:
         a = self.spec.attention
@@ -88,7 +96,8 @@ class Forward:
             k_cells, v_cells = seg.state.k[i], seg.state.v[i]
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
-            out[seg_rows] = attention(q[seg_rows], k_cells[:end], v_cells[:end], window.positions[seg_rows], self.scale)
+            out[seg_rows] = attention(q[seg_rows], k_cells[:end], v_cells[:end], window.positions[seg_rows].to(self.device),
+                                      self.scale)
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -12,6 +13,7 @@ from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
+from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams, sample, token_counts
 from strata.runtime.window import Window
 from strata.state.session import SessionState, StatePool
@@ -24,36 +26,79 @@ class Generation:
     finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_new_tokens or max_cells reached)
 
 
+def check_expert_budget(spec: ModelSpec, plan: list, budget_gb: list[float], dtype_bytes: int) -> None:
+    """Every stage keeps all of its routed experts on its device: refuse a budget that would need the CPU pool."""
+    if len(budget_gb) not in (1, len(plan)):
+        raise StrataError(f"--expert-budget-gb has {len(budget_gb)} values for {len(plan)} stage(s)")
+    m = spec.moe
+    for k, (layers, device) in enumerate(plan):
+        need = sum(3 * m.num_experts * m.expert_dim * spec.hidden_size * dtype_bytes
+                   for i in layers if spec.layers[i].mlp == "moe") if m else 0
+        budget = budget_gb[k if len(budget_gb) > 1 else 0] * 1e9
+        if need > budget:
+            raise StrataError(
+                f"stage {k} ({device}) holds {need / 1e9:.1f} GB of routed experts but --expert-budget-gb allows "
+                f"{budget / 1e9:.1f} GB: computing the rest on the CPU (the expert pool) is not implemented yet; "
+                "raise the budget, or split the layers over more devices")
+
+
 class Engine:
-    """One model on one device, decoding sequences through the window forward pass."""
+    """One model, split over one or more stages, decoding sequences through the window forward pass."""
 
     def __init__(self, files: ModelFiles | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
-                 weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True):
-        """Load `files` onto `device`; or, for benchmarks, run given `spec` + `weights` (no tokenizer)."""
+                 weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
+                 layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
+                 trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None):
+        """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`."""
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
         self.device, self.dtype = torch.device(device), dtype
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
-        self.weights = files.load(self.device, dtype) if files is not None else weights
+        self.batch_groups = batch_groups
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
-        self.forward = Forward(self.spec, self.weights, self.device, dtype, kernels,
-                               cuda_graphs=cuda_graphs and kernels == "triton" and self.device.type == "cuda")
+        plan = plan_stages(self.spec, layer_split, self.device, split_device, batch_groups)
+        if weights is not None and len(plan) > 1:
+            raise StrataError("a layer split needs a checkpoint to load each stage from")
+        if expert_budget_gb is not None:
+            check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
+        stages = []
+        for k, (layers, stage_device) in enumerate(plan):
+            w = weights if weights is not None else files.load(stage_device, dtype, layers, trim=trim_stage_weights)
+            graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
+            stages.append(Stage(k, layers, stage_device, w, Forward(self.spec, w, stage_device, dtype, kernels, graphs),
+                                ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))
+        self.pipeline = Pipeline(stages)
+        self.layer_devices = {i: s.device for s in stages for i in s.layers}
+        first, last = stages[0].weights, stages[-1].weights
+        self.weights = first if len(stages) == 1 else StageWeights(
+            layers={i: t for s in stages for i, t in s.weights.layers.items()},
+            embed=first.embed, final_norm=last.final_norm, lm_head=last.lm_head, mtp=last.mtp)
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.pipeline.stages
+
+    def forward(self, window: Window) -> torch.Tensor:
+        """One window through every stage; the logits of its logit rows."""
+        return self.pipeline(window)
 
     def init_slots(self, num_slots: int) -> "Slots":
         """Batch slots that decode several sequences together (see `strata.runtime.slots`)."""
         from strata.runtime.slots import Slots
 
-        return Slots(self, num_slots)
+        return Slots(self, num_slots, self.batch_groups)
 
     def new_state(self) -> SessionState:
-        return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype)
+        return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype,
+                                       self.layer_devices)
 
     def new_pool(self, num_seqs: int) -> StatePool:
-        return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype)
+        return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype,
+                         self.layer_devices)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Iterator
 
 from strata import protocol
 from strata.errors import StrataError
 from strata.protocol import BGen, BStop, Gen, ProtocolError, Quit, Request, Stop
 from strata.runtime.generate import Engine
-from strata.runtime.slots import Event
+from strata.runtime.slots import Event, SlotWindow
 
 log = logging.getLogger("strata.engine")
 
@@ -28,10 +29,11 @@ class Scheduler:
         self._solo: Iterator[tuple[int, str | None]] | None = None
         self._solo_counts = (0, 0)  # prompt tokens, generated tokens
         self._solo_state = engine.new_state()
+        self._in_flight: dict[int, SlotWindow] = {}  # group -> its launched window (pipelined groups)
 
     @property
     def busy(self) -> bool:
-        return self._solo is not None or bool(self.slots and self.slots.active)
+        return self._solo is not None or bool(self.slots and self.slots.active) or bool(self._in_flight)
 
     def facts(self) -> dict:
         spec = self.engine.spec
@@ -72,8 +74,32 @@ class Scheduler:
     def step(self) -> None:
         if self._solo is not None:
             self._advance_solo()
-        if self.slots is not None and self.slots.active:
-            self._emit_slot_events(self.slots.commit_slots(self.slots.run_slots()))
+        if self.slots is None:
+            return
+        if len(self.slots.groups) == 1:
+            if self.slots.active:
+                self._emit_slot_events(self.slots.commit_slots(self.slots.run_slots()))
+            return
+        # pipelined groups: keep one window in flight per group; collect those that finished
+        for g in range(len(self.slots.groups)):
+            if g not in self._in_flight and (sw := self.slots.batch_launch(g)) is not None:
+                self._in_flight[g] = sw
+        if self._in_flight:
+            wait([sw.future for sw in self._in_flight.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        self._collect()
+
+    def _collect(self) -> None:
+        for g, sw in list(self._in_flight.items()):
+            events = self.slots.batch_poll(sw)
+            if events is not None:
+                del self._in_flight[g]
+                self._emit_slot_events(events)
+
+    def _drain(self) -> None:
+        """Finish every window in flight (before a slot changes hands)."""
+        if self._in_flight:
+            wait([sw.future for sw in self._in_flight.values()])
+            self._collect()
 
     # solo path
 
@@ -121,6 +147,7 @@ class Scheduler:
 
     def _admit(self, index: int, request: Request) -> None:
         slots = self._require_slots()
+        self._drain()
         prefix = self._solo_state if self._solo is None else None
         event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request), prefix=prefix,
                             resumed=request.resume)
@@ -129,6 +156,7 @@ class Scheduler:
 
     def _stop_slot(self, index: int) -> None:
         slots = self._require_slots()
+        self._drain()
         slot = slots.check_slot(index)
         if slots.stop(index):
             self.emit(protocol.bdone(index, "abort", slot.num_prompt, len(slot.generated)))

@@ -8,7 +8,7 @@ same per-row sampling keyed by (seed, position)), so a conversation gets the sam
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +59,16 @@ class SlotWindow:
 class Slots:
     """`init_slots` makes these; `run_slots` + `commit_slots` step synchronously, `batch_launch` + `batch_poll` without blocking."""
 
-    def __init__(self, engine: Engine, num_slots: int):
+    def __init__(self, engine: Engine, num_slots: int, num_groups: int = 1):
         if not 1 <= num_slots <= 256:
             raise StrataError(f"--batch {num_slots}: the number of slots must be between 1 and 256")
+        if not 1 <= num_groups <= num_slots:
+            raise StrataError(f"--batch-groups {num_groups}: groups must be between 1 and the {num_slots} slots")
         self.engine = engine
         self.pool = engine.new_pool(num_slots)  # every slot's state in one tensor per layer
         self.slots = [Slot(state) for state in self.pool.sessions()]
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-window")
+        bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
+        self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
 
     def __len__(self) -> int:
@@ -106,7 +109,7 @@ class Slots:
         slot.generated = list(prompt_ids[num_prompt:])
         slot.seen_prompt = slot.counts = None
         if params.has_penalties:
-            vocab, device = self.engine.spec.vocab_size, self.engine.device
+            vocab, device = self.engine.spec.vocab_size, self.engine.stages[-1].device
             slot.seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
             slot.seen_prompt[torch.tensor(prompt_ids[:num_prompt], device=device)] = True
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
@@ -140,11 +143,11 @@ class Slots:
         sw.window.commit()
         return self._take(sw.slots, sw.logits)
 
-    def batch_launch(self) -> SlotWindow | None:
-        """Start a batch window on the worker thread and return at once."""
-        sw = self._build()
+    def batch_launch(self, group: int | None = None) -> SlotWindow | None:
+        """Start a batch window over the active slots (of one group) on the stages' workers; return at once."""
+        sw = self._build(group)
         if sw is not None:
-            sw.future = self._worker.submit(self._forward, sw.window)
+            sw.future = self.engine.pipeline.launch(sw.window)
         return sw
 
     def batch_poll(self, sw: SlotWindow) -> list[Event] | None:
@@ -158,8 +161,8 @@ class Slots:
     def _forward(self, window: Window) -> torch.Tensor:
         return self.engine.forward(window)
 
-    def _build(self) -> SlotWindow | None:
-        active = self.active
+    def _build(self, group: int | None = None) -> SlotWindow | None:
+        active = [i for i in self.active if group is None or i in self.groups[group]]
         if not active:
             return None
         parts = [(self.slots[i].state, [self.slots[i].next_token], False) for i in active]
@@ -180,6 +183,8 @@ class Slots:
         tokens = sample(logits, [s.params for s in slots], positions, seen, counts).tolist()
         events = []
         for i, slot, token in zip(indices, slots, tokens):
+            if not slot.active:  # stopped while its window was in flight: the row is dropped
+                continue
             slot.generated.append(token)
             if slot.counts is not None:
                 slot.counts[token] += 1

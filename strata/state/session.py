@@ -15,19 +15,21 @@ from strata.model.spec import ModelSpec
 
 class StatePool:
     def __init__(self, spec: ModelSpec, layers: range, num_seqs: int, max_cells: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None):
+        """`layer_devices`: where each layer's state lives (its stage's device); default `device` for all."""
         self.layers, self.num_seqs, self.max_cells = layers, num_seqs, max_cells
+        at = lambda i: (layer_devices or {}).get(i, device)  # noqa: E731
         att = spec.attention
         kv_shape = (num_seqs, max_cells, att.num_kv_heads, att.head_dim)
-        self.k = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in spec.attention_layers(layers)}
-        self.v = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in spec.attention_layers(layers)}
+        self.k = {i: torch.zeros(kv_shape, device=at(i), dtype=dtype) for i in spec.attention_layers(layers)}
+        self.v = {i: torch.zeros(kv_shape, device=at(i), dtype=dtype) for i in spec.attention_layers(layers)}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         if spec.gdn is not None:
             g = spec.gdn
             for i in spec.gdn_layers(layers):
-                self.conv[i] = torch.zeros(num_seqs, g.conv_kernel - 1, g.conv_dim, device=device, dtype=dtype)
-                self.recurrent[i] = torch.zeros(num_seqs, g.num_v_heads, g.k_head_dim, g.v_head_dim, device=device,
+                self.conv[i] = torch.zeros(num_seqs, g.conv_kernel - 1, g.conv_dim, device=at(i), dtype=dtype)
+                self.recurrent[i] = torch.zeros(num_seqs, g.num_v_heads, g.k_head_dim, g.v_head_dim, device=at(i),
                                                 dtype=torch.float32)
 
     def sessions(self) -> list["SessionState"]:
@@ -57,8 +59,8 @@ class SessionState:
 
     @classmethod
     def standalone(cls, spec: ModelSpec, layers: range, max_cells: int, device: torch.device,
-                   dtype: torch.dtype) -> "SessionState":
-        return cls(StatePool(spec, layers, 1, max_cells, device, dtype), 0)
+                   dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None) -> "SessionState":
+        return cls(StatePool(spec, layers, 1, max_cells, device, dtype, layer_devices), 0)
 
     def reserve(self, n: int) -> None:
         """Refuse a window that would write past the last cell."""

@@ -1,0 +1,115 @@
+"""Stages: a model's layers split over devices, a window run through them in order, or pipelined by groups.
+
+A stage is a layer range on one device with its weights and a worker thread that runs its share of each
+window in order (the stage's "stream"). The embedding lives on the first stage and the head on the last; rows
+cross from one stage to the next as a hidden-state tensor copied onto the next stage's device. A window is
+either run synchronously through every stage (`__call__`), or launched (`launch`): each stage's worker takes
+the window when the previous stage hands it over, so stage k runs group g while stage k+1 runs group g-1, and
+the host thread never waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import StrataError
+from strata.model.spec import ModelSpec
+from strata.model.weights import StageWeights
+from strata.runtime.forward import Forward
+from strata.runtime.window import Window
+
+log = logging.getLogger("strata.engine")
+
+
+def plan_stages(spec: ModelSpec, layer_split: str | None, device: torch.device, split_device: str | None = None,
+                batch_groups: int = 1) -> list[tuple[range, torch.device]]:
+    """Layer ranges and devices from `--layer-split` (counts like 12,12,12,12, or proportions like 0.6,0.4)."""
+    n = spec.num_layers
+    if not layer_split:
+        if batch_groups > 1:
+            raise StrataError(f"--batch-groups {batch_groups} needs --layer-split: groups pipeline through stages")
+        return [(range(n), device)]
+    try:
+        parts = [p.strip() for p in layer_split.split(",") if p.strip()]
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise StrataError(f"--layer-split {layer_split!r}: expected numbers separated by commas, e.g. 12,12,12,12") from None
+    if not values or any(v <= 0 for v in values):
+        raise StrataError(f"--layer-split {layer_split!r}: every stage needs a positive share")
+    if len(values) > n:
+        raise StrataError(f"--layer-split {layer_split!r}: {len(values)} stages for a model of {n} layers")
+    if any("." in p for p in parts):  # proportions
+        bounds = [round(n * sum(values[: k + 1]) / sum(values)) for k in range(len(values))]
+        counts = [b - a for a, b in zip([0, *bounds], bounds)]
+        if any(c < 1 for c in counts):
+            raise StrataError(f"--layer-split {layer_split!r}: a stage would get no layer of {n}")
+    else:
+        counts = [int(v) for v in values]
+        if sum(counts) != n:
+            raise StrataError(f"--layer-split {layer_split!r} covers {sum(counts)} layers; the model has {n}: "
+                              "the counts must add up to the layer count (or give proportions such as 0.5,0.5)")
+    if split_device is not None:
+        devices = [torch.device(split_device)] * len(counts)
+        if batch_groups > 1 and len(counts) > 1 and devices[0].type != "cpu":
+            raise StrataError(f"--batch-groups {batch_groups} with every stage on {split_device}: groups pipeline "
+                              "stages on different devices; two stages on one device would only take turns")
+    elif device.type == "cuda":
+        available = torch.cuda.device_count()
+        if len(counts) > available:
+            raise StrataError(f"--layer-split {layer_split!r} asks for {len(counts)} stages but {available} GPU(s) "
+                              "are visible; use fewer stages or --split-device to put them on one device")
+        devices = [torch.device("cuda", k) for k in range(len(counts))]
+    else:  # the CPU: stages run on worker threads of one device (how the split and the groups are tested)
+        devices = [device] * len(counts)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [(range(s, s + c), d) for s, c, d in zip(starts, counts, devices)]
+
+
+@dataclass
+class Stage:
+    index: int
+    layers: range
+    device: torch.device
+    weights: StageWeights
+    forward: Forward
+    worker: ThreadPoolExecutor
+
+    @property
+    def first(self) -> bool:
+        return self.layers.start == 0
+
+
+class Pipeline:
+    """The stages of one engine, run as one forward pass over a window."""
+
+    def __init__(self, stages: list[Stage]):
+        self.stages = stages
+        for s in stages:
+            log.info("stage %d: layers %d-%d on %s, %.2f GB of weights", s.index, s.layers.start, s.layers.stop - 1,
+                     s.device, s.weights.nbytes() / 1e9)
+
+    def _stage(self, stage: Stage, window: Window, x: torch.Tensor | None) -> torch.Tensor:
+        if stage.device.type == "cuda":
+            torch.cuda.set_device(stage.device)
+        with torch.inference_mode():
+            if x is not None:
+                x = x.to(stage.device, copy=True)  # a hand-off of its own: the sender may reuse its buffer
+            return stage.forward.run_stage(window, x)
+
+    def __call__(self, window: Window) -> torch.Tensor:
+        x = None
+        for stage in self.stages:
+            x = self._stage(stage, window, x)
+        return x
+
+    def launch(self, window: Window) -> Future:
+        """Queue the window on every stage's worker in turn; the returned future holds its logits."""
+        future: Future | None = None
+        for stage in self.stages:
+            prev = future
+            future = stage.worker.submit(lambda st=stage, p=prev: self._stage(st, window, p.result() if p else None))
+        return future

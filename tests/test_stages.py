@@ -1,0 +1,88 @@
+"""Layer split over stages, pipelined batch groups and per-stage weights: the same tokens as one stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.errors import StrataError
+from strata.model.loader import ModelFiles
+from strata.runtime.generate import Engine
+from strata.runtime.scheduler import Scheduler
+from strata.runtime.stages import plan_stages
+from tests.tiny_models import CASES, VOCAB, build
+
+NEW = 40
+SPLITS = ["2,2", "1,1,2", "1,1,1,1"]
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 37 + j * 11 + 5) % VOCAB for j in range(6 + 7 * i)]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param, folder)
+    files = ModelFiles.open(folder)
+    one = Engine(files, max_cells=256)
+    solo = [one.generate(prompt(i), NEW, stop_ids=frozenset()).ids for i in range(4)]
+    return files, solo
+
+
+def batched(engine: Engine, n: int = 4) -> list[list[int]]:
+    """n conversations through the engine process's scheduler (pipelined when the engine has groups)."""
+    out: list[str] = []
+    sched = Scheduler(engine, n, out.append)
+    for i in range(n):
+        sched.handle(f"BGEN {i} {NEW} ignore_eos=1 " + " ".join(map(str, prompt(i))))
+    while sched.busy:
+        sched.step()
+    return [[int(line.split()[2]) for line in out if line.startswith(f"BT {i} ")] for i in range(n)]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_split_solo_and_batched_equal_one_stage(model, split):
+    files, solo = model
+    engine = Engine(files, max_cells=256, layer_split=split, trim_stage_weights=True)
+    assert [len(s.layers) for s in engine.stages] == [int(c) for c in split.split(",")]
+    assert engine.generate(prompt(0), NEW, stop_ids=frozenset()).ids == solo[0]
+    assert batched(engine) == solo
+
+
+@pytest.mark.parametrize(("split", "groups", "trim"), [("2,2", 2, True), ("1,1,2", 2, False), ("1,1,1,1", 4, True),
+                                                       ("1,1,1,1", 2, False)])
+def test_pipelined_groups_equal_one_stage(model, split, groups, trim):
+    files, solo = model
+    engine = Engine(files, max_cells=256, layer_split=split, batch_groups=groups, trim_stage_weights=trim)
+    assert batched(engine) == solo
+
+
+def test_a_trimmed_stage_holds_only_its_layers(model):
+    files, _ = model
+    trimmed = Engine(files, max_cells=64, layer_split="1,1,2", trim_stage_weights=True)
+    full = Engine(files, max_cells=64, layer_split="1,1,2")
+    for t, f in zip(trimmed.stages, full.stages):
+        assert sorted(t.weights.layers) == list(t.layers) and t.weights.held == {}
+        assert sorted(f.weights.held) == [i for i in range(4) if i not in f.layers]
+        assert not any(name.startswith("experts_") for layer in f.weights.held.values() for name in layer)
+        assert t.weights.nbytes() < f.weights.nbytes()
+    assert trimmed.stages[0].weights.embed is not None and trimmed.stages[1].weights.embed is None
+    assert trimmed.stages[-1].weights.lm_head is not None and trimmed.stages[0].weights.lm_head is None
+
+
+def test_refusals(model):
+    files, _ = model
+    spec = files.spec
+    with pytest.raises(StrataError, match="covers 3 layers"):
+        plan_stages(spec, "1,2", torch.device("cpu"))
+    with pytest.raises(StrataError, match="5 stages for a model of 4 layers"):
+        plan_stages(spec, "1,1,1,1,1", torch.device("cpu"))
+    with pytest.raises(StrataError, match="needs --layer-split"):
+        plan_stages(spec, None, torch.device("cpu"), batch_groups=2)
+    with pytest.raises(StrataError, match="two stages on one device"):
+        plan_stages(spec, "2,2", torch.device("cuda"), split_device="cuda:0", batch_groups=2)
+    if torch.cuda.device_count() < 3:
+        with pytest.raises(StrataError, match="GPU"):
+            plan_stages(spec, "1,1,2", torch.device("cuda"))
+    assert [len(r) for r, _ in plan_stages(spec, "0.5,0.5", torch.device("cpu"))] == [2, 2]
