@@ -46,3 +46,10 @@ def test_triton_rows_are_bitwise_the_same_alone_or_batched(engines):
     for slot, i in ((0, 0), (1, 1), (2, 3)):
         batch.admit(slot, prompt(i), 4)
     assert torch.equal(batch.run_slots().logits[1], solo)
+
+
+def test_triton_decode_through_two_stages(engines):
+    reference, fast = engines
+    split = Engine(reference.files, max_cells=128, kernels="triton", layer_split="2,2", batch_groups=2)
+    ids = prompt(3)
+    assert split.generate(ids, NEW, stop_ids=frozenset()).ids == fast.generate(ids, NEW, stop_ids=frozenset()).ids

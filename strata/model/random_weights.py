@@ -18,13 +18,18 @@ def _w(gen: torch.Generator, *shape: int, device, dtype, fan_in: int | None = No
 
 
 def random_stage_weights(spec: ModelSpec, layers: range, device: torch.device, dtype: torch.dtype,
-                         seed: int = 0) -> StageWeights:
+                         seed: int = 0, trim: bool = True) -> StageWeights:
     gen = torch.Generator(device=device).manual_seed(seed)
     h = spec.hidden_size
     ones = lambda n: torch.ones(n, device=device, dtype=torch.float32)  # noqa: E731
     w = lambda *shape, fan_in=None: _w(gen, *shape, device=device, dtype=dtype, fan_in=fan_in)  # noqa: E731
     out: dict[int, Tensors] = {}
-    for i in layers:
+    held: dict[int, Tensors] = {}
+    for i in range(spec.num_layers) if not trim else layers:
+        if i not in layers:  # an untrimmed stage holds the other layers' dense tensors
+            layer_w = random_stage_weights(spec, range(i, i + 1), device, dtype, seed + i).layers[i]
+            held[i] = {k: v for k, v in layer_w.items() if not k.startswith("experts_")}
+            continue
         layer = spec.layers[i]
         t: Tensors = {"attn_norm": ones(h), "mlp_norm": ones(h)}
         if layer.mixer == "attention":
@@ -54,7 +59,7 @@ def random_stage_weights(spec: ModelSpec, layers: range, device: torch.device, d
                 if m.shared_gate:
                     t["shared_gate"] = w(1, h)
         out[i] = t
-    weights = StageWeights(layers=out)
+    weights = StageWeights(layers=out, held=held)
     if layers.start == 0:
         weights.embed = w(spec.vocab_size, h, fan_in=1)
     if layers.stop == spec.num_layers:

@@ -51,6 +51,7 @@ class Engine:
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`."""
+        self.files = files
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
         self.device, self.dtype = torch.device(device), dtype
@@ -61,13 +62,16 @@ class Engine:
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
         plan = plan_stages(self.spec, layer_split, self.device, split_device, batch_groups)
-        if weights is not None and len(plan) > 1:
-            raise StrataError("a layer split needs a checkpoint to load each stage from")
+        if weights is not None and not callable(weights) and len(plan) > 1:
+            raise StrataError("a layer split needs a checkpoint (or a weights factory) to load each stage from")
         if expert_budget_gb is not None:
             check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
         stages = []
         for k, (layers, stage_device) in enumerate(plan):
-            w = weights if weights is not None else files.load(stage_device, dtype, layers, trim=trim_stage_weights)
+            if callable(weights):  # a factory (layers, device, trim) -> StageWeights, e.g. random weights
+                w = weights(layers, stage_device, trim_stage_weights)
+            else:
+                w = weights if weights is not None else files.load(stage_device, dtype, layers, trim=trim_stage_weights)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             stages.append(Stage(k, layers, stage_device, w, Forward(self.spec, w, stage_device, dtype, kernels, graphs),
                                 ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))

@@ -1,0 +1,86 @@
+"""Layer split over two GPUs: one card, two stages, and two stages with pipelined groups, at 8 slots.
+
+Prints total decode tokens/s for each, in one run (the one-card engine is the anchor), plus each card's VRAM
+with and without `--trim-stage-weights`. Random bfloat16 weights at a real shape (bench/shapes.py).
+
+    python bench/pipeline.py --shape qwen3-30b-a3b --slots 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import shape  # noqa: E402
+
+from strata.model.random_weights import random_stage_weights  # noqa: E402
+from strata.runtime.generate import Engine  # noqa: E402
+from strata.runtime.scheduler import Scheduler  # noqa: E402
+
+
+def engine_for(spec, split, groups, trim):
+    factory = lambda layers, device, trim_: random_stage_weights(spec, layers, device, torch.bfloat16, trim=trim_)  # noqa: E731
+    return Engine(None, device="cuda", dtype=torch.bfloat16, max_cells=512, spec=spec, weights=factory,
+                  layer_split=split, batch_groups=groups, trim_stage_weights=trim)
+
+
+def total_tok_s(engine, slots: int, tokens: int) -> float:
+    lines: list[str] = []
+    sched = Scheduler(engine, slots, lines.append)
+    vocab = engine.spec.vocab_size
+    for i in range(slots):
+        sched.handle(f"BGEN {i} {tokens + 4} ignore_eos=1 " + " ".join(str((7 + 13 * i + 5 * j) % vocab) for j in range(64)))
+    for _ in range(4):  # warm up: compile, capture the graphs
+        sched.step()
+    for dev in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(dev)
+    start, before = time.perf_counter(), sum(line.startswith("BT") for line in lines)
+    while sched.busy:
+        sched.step()
+    generated = sum(line.startswith("BT") for line in lines) - before
+    return generated / (time.perf_counter() - start)
+
+
+def vram_gb() -> list[float]:
+    return [torch.cuda.memory_allocated(d) / 1e9 for d in range(torch.cuda.device_count())]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=48)
+    args = p.parse_args()
+    spec = shape(args.shape, args.layers)
+    half = spec.num_layers // 2
+    split = f"{half},{spec.num_layers - half}"
+    print(f"{args.shape} ({spec.num_layers} layers), {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
+          f"{args.slots} slots, torch {torch.__version__}")
+    rows = []
+    for label, split_, groups, trim in [("one card", None, 1, True), (f"2 stages {split}", split, 1, True),
+                                         (f"2 stages {split}, 2 groups", split, 2, True),
+                                         (f"2 stages {split}, untrimmed", split, 2, False)]:
+        engine = engine_for(spec, split_, groups, trim)
+        vram = vram_gb()
+        rate = total_tok_s(engine, args.slots, args.tokens) if trim or split_ is None else float("nan")
+        rows.append((label, rate, vram))
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = rows[0][1]
+    print(f"{'configuration':34} {'total tok/s':>12} {'vs one card':>12}  VRAM per card (GB)")
+    for label, rate, vram in rows:
+        rate_s = f"{rate:12.1f} {rate / base:11.2f}x" if rate == rate else f"{'-':>12} {'-':>12}"
+        print(f"{label:34} {rate_s}  {', '.join(f'{v:.1f}' for v in vram)}")
+
+
+if __name__ == "__main__":
+    main()
