@@ -425,3 +425,14 @@ def test_calibrate_on_the_cpu_with_the_default_model(tmp_path, capsys, monkeypat
     written = json.loads(config.read_text())
     assert written["device"] == "cpu" and written["max_cells"] == 64 and written["model"] == "default"
     assert written["batch"] in (0, 2)
+
+
+def test_facts_recorded_on_the_real_h200_machine(moe30b):
+    """`python -m autoconfig facts` read through NVML on the lent H200 (2026-11-30)."""
+    recorded = machine("h200-recorded")
+    assert [g.name for g in recorded.gpus] == ["NVIDIA H200"]
+    assert recorded.gpus[0].pcie_gen == 5 and recorded.gpus[0].pcie_width == 16
+    assert 140e9 < recorded.gpus[0].vram_total_bytes < 152e9 and recorded.host.cpu_cores == 16
+    p = propose(Facts(machine=recorded, model=moe30b), Wishes(concurrency=8))
+    assert p.settings["device"] == "cuda:0" and p.settings["layer_split"] is None
+    assert p.settings["expert_budget_gb"] is None and "every expert fits in VRAM" in p.reasons["expert_budget_gb"]
