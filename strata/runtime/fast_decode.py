@@ -21,6 +21,7 @@ from strata.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
 from strata.kernels.rope import apply_rope_triton
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights, Tensors
+from strata.runtime.forward import split_qkv
 from strata.state.session import StatePool
 
 
@@ -52,17 +53,8 @@ class TritonDecode:
 
     def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
         a = self.spec.attention
-        r, d = x.shape[0], a.head_dim
-        qkv = linear_triton(x, w["qkv"], w.get("qkv_bias"))
-        q_out = a.num_heads * d * (2 if a.output_gate else 1)
-        q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
-        gate = None
-        if a.output_gate:
-            q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
-            gate = gate.reshape(r, -1)
-        q = q.reshape(r, a.num_heads, d)
-        k = k.reshape(r, a.num_kv_heads, d)
-        v = v.reshape(r, a.num_kv_heads, d)
+        r = x.shape[0]
+        q, k, v, gate = split_qkv(a, linear_triton(x, w["qkv"], w.get("qkv_bias")))
         if a.qk_norm:
             q = rms_norm_triton(q, w["q_norm"], self.spec.rms_eps)
             k = rms_norm_triton(k, w["k_norm"], self.spec.rms_eps)

@@ -11,7 +11,7 @@ from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_de
 from strata.kernels.moe import moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from strata.model.spec import ModelSpec
+from strata.model.spec import AttentionSpec, ModelSpec
 from strata.model.weights import StageWeights, Tensors
 from strata.runtime.window import Window
 
@@ -74,17 +74,8 @@ class Forward:
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, rows) -> torch.Tensor:
         a = self.spec.attention
-        r, d = x.shape[0], a.head_dim
-        qkv = rows(F.linear, x, w["qkv"], w.get("qkv_bias"))
-        q_out = a.num_heads * d * (2 if a.output_gate else 1)
-        q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
-        gate = None
-        if a.output_gate:  # per head: [q | gate]
-            q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
-            gate = gate.reshape(r, -1)
-        q = q.reshape(r, a.num_heads, d)
-        k = k.reshape(r, a.num_kv_heads, d)
-        v = v.reshape(r, a.num_kv_heads, d)
+        r = x.shape[0]
+        q, k, v, gate = split_qkv(a, rows(F.linear, x, w["qkv"], w.get("qkv_bias")))
         if a.qk_norm:
             q = rows(rms_norm, q, w["q_norm"], self.spec.rms_eps)
             k = rows(rms_norm, k, w["k_norm"], self.spec.rms_eps)
@@ -138,3 +129,16 @@ class Forward:
 def _rows_for(window: Window):
     """Decode windows (one row per sequence) run per-row work row-invariantly, so batched rows equal solo rows."""
     return in_row_blocks if window.is_decode else plain
+
+
+def split_qkv(a: AttentionSpec, qkv: torch.Tensor):
+    """The fused projection's output [R, q_out + 2*Hkv*D] -> q [R, H, D], k, v [R, Hkv, D], and the output gate
+    [R, H*D] (None without one; with one, each head's q_proj rows are [q | gate])."""
+    r, d = qkv.shape[0], a.head_dim
+    q_out = a.num_heads * d * (2 if a.output_gate else 1)
+    q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
+    gate = None
+    if a.output_gate:
+        q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(r, -1)
+    return q.reshape(r, a.num_heads, d), k.reshape(r, a.num_kv_heads, d), v.reshape(r, a.num_kv_heads, d), gate
