@@ -29,8 +29,8 @@ def plan_stages(spec: ModelSpec, layer_split: str | None, device: torch.device, 
                 batch_groups: int = 1) -> list[tuple[range, torch.device]]:
     """Layer ranges and devices from `--layer-split` (counts like 12,12,12,12, or proportions like 0.6,0.4)."""
     n = spec.num_layers
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index is None:  # a bare "cuda" is the current GPU
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     if not layer_split:
         if batch_groups > 1:
             raise StrataError(f"--batch-groups {batch_groups} needs --layer-split: groups pipeline through stages")
