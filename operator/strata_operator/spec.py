@@ -1,0 +1,93 @@
+"""A `StrataDeployment` as the operator reads it: the CRD's fields (helm/strata/templates/crd-stratadeployment.yaml)
+with the CRD's defaults, so a resource that came through an API server without defaulting reads the same."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP, VERSION, PLURAL, KIND = "strata.dev", "v1alpha1", "stratadeployments", "StrataDeployment"
+
+
+class _Camel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True,
+                              protected_namespaces=())
+
+
+class Engine(_Camel):
+    """Explicit engine settings: each one given replaces what autoconfig would choose."""
+    batch: int | None = Field(None, ge=0, le=256)
+    batch_groups: int | None = Field(None, ge=1)
+    layer_split: str | None = Field(None, pattern=r"^[0-9]+(,[0-9]+)*$")
+    trim_stage_weights: bool | None = None
+    context: int | None = Field(None, ge=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class Autoconfig(_Camel):
+    enabled: bool = True
+    expected_concurrency: int | None = Field(None, ge=1, description="conversations one replica serves at once")
+    context: int | None = Field(None, ge=1)
+
+
+class Storage(_Camel):
+    mount_path: str = "/models"
+    volume: dict[str, Any] | None = None
+    shm_size: int | str | None = None
+
+
+class Service(_Camel):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Monitoring(_Camel):
+    enabled: bool = True
+
+
+class Spec(_Camel):
+    model: str = Field(min_length=1)
+    served_model_name: str | None = None
+    replicas: int = Field(1, ge=0)
+    gpus_per_replica: int = Field(1, ge=0)
+    engine: Engine = Engine()
+    autoconfig: Autoconfig = Autoconfig()
+    model_facts: dict[str, Any] | None = None
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    storage: Storage = Storage()
+    service: Service = Service()
+    monitoring: Monitoring = Monitoring()
+
+    @property
+    def model_path(self) -> str:
+        """`strata serve`'s model: `default`, an absolute path, or the path relative to the model volume."""
+        if self.model == "default" or self.model.startswith("/"):
+            return self.model
+        return f"{self.storage.mount_path.rstrip('/')}/{self.model}"
+
+    @property
+    def wished_context(self) -> int | None:
+        return self.engine.context or self.autoconfig.context
+
+
+class StrataDeployment(_Camel):
+    """The resource: its identity and its spec (the status is the operator's to write)."""
+    name: str
+    namespace: str
+    uid: str = ""
+    generation: int | None = None
+    spec: Spec
+
+    @classmethod
+    def from_body(cls, body: dict) -> StrataDeployment:
+        """Raises pydantic's ValidationError for a spec the CRD would have refused."""
+        meta = body.get("metadata", {})
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""),
+                   generation=meta.get("generation"), spec=Spec.model_validate(body.get("spec") or {}))
