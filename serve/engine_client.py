@@ -95,6 +95,7 @@ class EngineClient:
             if self._closing:
                 return
             self.restarts += 1
+            self.metrics.engine_restarted()
             log.error("engine process exited with code %s; failing its requests and restarting it", code)
             self._fail_all(EngineDied(f"the engine process exited (code {code}) while this request ran; "
                                       "it is restarting: retry the request"))

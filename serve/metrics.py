@@ -73,7 +73,7 @@ VLLM_METRICS = (
 # top-level numeric JSON keys exported as `strata:<key>` gauges
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
-                 "kv_cache_usage")
+                 "kv_cache_usage", "engine_restarts_total", "pipeline_groups")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -179,6 +179,7 @@ class Metrics:
         self._start = time.monotonic()
         self._gpu = _GpuUtil()
         self._engine_facts: dict = {}
+        self._engine_restarts = 0
         self._running = self._waiting = 0
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
@@ -203,6 +204,11 @@ class Metrics:
         self.registry.register(_StrataCollector(self))
 
     # events from the HTTP layer and the engine
+
+    def engine_restarted(self) -> None:
+        """The engine process died and was started again."""
+        with self._lock:
+            self._engine_restarts += 1
 
     def set_engine_facts(self, facts: dict) -> None:
         """The engine's READY facts, shown under "engine_facts"; values JSON cannot hold become strings."""
@@ -350,6 +356,8 @@ class Metrics:
                 "prompt_tokens_total": self._prompt_tokens,
                 "generation_tokens_total": self._generation_tokens,
                 "kv_cache_usage": self._kv_cache_usage,
+                "engine_restarts_total": self._engine_restarts,
+                "pipeline_groups": int(self._engine_facts.get("batch_groups", 0) or 0),
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),

@@ -224,8 +224,12 @@ def test_json_facts(three):
     assert set(facts) == {
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
-        "kv_cache_usage", "gpu_util", "latency", "history", "engine_facts"}
+        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "gpu_util", "latency", "history",
+        "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"
+    assert facts["engine_restarts_total"] == 0
+    m.engine_restarted()
+    assert m.facts()["engine_restarts_total"] == 1
     assert facts["requests_total"] == 3
     assert facts["requests_success"] == {"stop": 1, "length": 1, "abort": 1, "error": 0}
     assert facts["prompt_tokens_total"] == 49 and facts["generation_tokens_total"] == 11

@@ -191,7 +191,8 @@ def test_the_engine_process_is_restarted_and_in_flight_requests_fail_clearly(ser
     assert any("engine process exited" in line for line in rest)
     assert rest[-1] == "data: [DONE]"
     server.wait_healthy()
-    assert httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"] != pid
+    facts = httpx.get(server.url + "/metrics").json()
+    assert facts["engine_facts"]["pid"] != pid and facts["engine_restarts_total"] == 1
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     assert complete(client, PROMPTS[0]) == solo_answers[0]
 

@@ -39,6 +39,7 @@ class Scheduler:
         spec = self.engine.spec
         return {"family": spec.family, "vocab_size": spec.vocab_size, "num_layers": spec.num_layers,
                 "max_cells": self.engine.max_cells, "batch": len(self.slots) if self.slots else 0,
+                "batch_groups": len(self.slots.groups) if self.slots else 0, "stages": len(self.engine.stages),
                 "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
                 "pid": os.getpid()}
 
