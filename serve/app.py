@@ -173,7 +173,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 if isinstance(item, Exception):
                     raise item
                 if isinstance(item, tuple):
-                    yield stream.finish(), "stop" if item[1] == "stop" else item[1]
+                    yield stream.finish(), item[1]
                     return
                 text = stream.push(item)
                 if stream.stopped:
@@ -213,7 +213,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             except EngineDied as e:
                 raise APIError(500, str(e), kind="internal_server_error") from None
             return {"id": rid, "object": kind, "created": created, "model": name,
-                    "choices": [choice("".join(parts), finish_reason(finish, job), delta=False)], "usage": usage(job)}
+                    "choices": [choice("".join(parts), finish_reason(finish), delta=False)], "usage": usage(job)}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -232,7 +232,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                     if text:
                         yield sse([choice(text, None, True)])
                     if finish is not None:
-                        yield sse([choice(None if chat else "", finish_reason(finish, job), True)])
+                        yield sse([choice(None if chat else "", finish_reason(finish), True)])
                 if include_usage:
                     yield sse([], usage=usage(job))
             except (EngineRefused, EngineDied) as e:
@@ -241,7 +241,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def finish_reason(reason: str | None, job: Job) -> str:
+    def finish_reason(reason: str | None) -> str:
+        """OpenAI's two values: "length" when max_tokens or the context ran out, else "stop"."""
         return "length" if reason == "length" else "stop"
 
     @app.post("/v1/chat/completions")
