@@ -28,7 +28,11 @@ class Forward:
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
         self.scale = a.head_dim**-0.5
         self.fast = None
+        self.attend = attention  # a sequence's rows over its cells, in prompt windows
         if kernels == "triton":
+            from strata.kernels.attention import prefill_attention_triton
+
+            self.attend = prefill_attention_triton
             from strata.runtime.fast_decode import GraphedDecode, TritonDecode
 
             self.fast = TritonDecode(spec, weights, self.inv_freq)
@@ -87,8 +91,8 @@ class Forward:
             k_cells, v_cells = seg.state.k[i], seg.state.v[i]
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
-            out[seg_rows] = attention(q[seg_rows], k_cells[:end], v_cells[:end], window.positions[seg_rows].to(self.device),
-                                      self.scale)
+            out[seg_rows] = self.attend(q[seg_rows], k_cells[:end], v_cells[:end],
+                                        window.positions[seg_rows].to(self.device), self.scale)
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
