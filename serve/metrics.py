@@ -118,7 +118,8 @@ def _percentiles(values) -> dict[str, float | None]:
 
 
 class _GpuUtil:
-    """Utilization percent per NVML device index; {} without `pynvml` (nvidia-ml-py) or a GPU."""
+    """Per NVML device index: utilization percent and memory used/total bytes; {} without `pynvml`
+    (nvidia-ml-py) or a GPU."""
 
     def __init__(self):
         self._nvml = None
@@ -142,6 +143,18 @@ class _GpuUtil:
                 pass
         return util
 
+    def memory(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(used bytes, total bytes) per device index."""
+        self.read()
+        used, total = {}, {}
+        for i, handle in enumerate(self._handles):
+            try:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                used[str(i)], total[str(i)] = float(info.used), float(info.total)
+            except Exception:
+                pass
+        return used, total
+
 
 class _StrataCollector(Collector):
     """`strata:<key>` gauges computed from facts() at scrape time."""
@@ -156,11 +169,13 @@ class _StrataCollector(Collector):
             family = GaugeMetricFamily(f"strata:{key}", f"Strata fact {key}", labels=["model_name", "engine"])
             family.add_metric(labels, float(facts[key]))
             yield family
-        family = GaugeMetricFamily("strata:gpu_util", "GPU utilization percent (NVML)",
-                                   labels=["model_name", "engine", "gpu"])
-        for gpu, percent in facts["gpu_util"].items():
-            family.add_metric(labels + [gpu], percent)
-        yield family
+        for key, doc in (("gpu_util", "GPU utilization percent (NVML)"),
+                         ("gpu_memory_used_bytes", "GPU memory in use, bytes (NVML)"),
+                         ("gpu_memory_total_bytes", "GPU memory, bytes (NVML)")):
+            family = GaugeMetricFamily(f"strata:{key}", doc, labels=["model_name", "engine", "gpu"])
+            for gpu, value in facts[key].items():
+                family.add_metric(labels + [gpu], value)
+            yield family
 
 
 class Metrics:
@@ -338,6 +353,7 @@ class Metrics:
 
     def facts(self) -> dict:
         now = time.monotonic()
+        gpu_used, gpu_total = self._gpu.memory()
         with self._lock:
             while self._token_events and self._token_events[0][0] < now - LIVE_WINDOW_S:
                 self._token_events.popleft()
@@ -362,6 +378,8 @@ class Metrics:
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),
                 "gpu_util": self._gpu.read(),
+                "gpu_memory_used_bytes": gpu_used,
+                "gpu_memory_total_bytes": gpu_total,
                 "engine_facts": dict(self._engine_facts),
             }
         return facts

@@ -224,8 +224,8 @@ def test_json_facts(three):
     assert set(facts) == {
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
-        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "gpu_util", "latency", "history",
-        "engine_facts"}
+        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "gpu_util", "gpu_memory_used_bytes",
+        "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"
     assert facts["engine_restarts_total"] == 0
     m.engine_restarted()
@@ -337,3 +337,24 @@ def test_concurrent_requests_from_threads_are_all_recorded():
                if not s.labels.get("le") and not s.labels.get("finished_reason")}
     assert scraped["vllm:generation_tokens_total"] == num_threads * num_tokens
     assert scraped["vllm:inter_token_latency_seconds_count"] == num_threads * (num_tokens - 1)
+
+
+def test_gpu_facts_from_nvml(monkeypatch):
+    """With NVML present (here a stand-in module: CI has no GPU), each GPU's use and memory are exported."""
+    import sys
+    import types
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=40 + h),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(h + 1) * 2**30, total=141 * 2**30))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    m = Metrics(MODEL, MAX_MODEL_LEN, 2)
+    facts = m.facts()
+    assert facts["gpu_util"] == {"0": 40.0, "1": 41.0}
+    assert facts["gpu_memory_used_bytes"] == {"0": 2.0**30, "1": 2.0**31}
+    body, _ = m.render("text/plain", None)
+    values = {(s.name, s.labels.get("gpu")): s.value
+              for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert values[("strata:gpu_util", "1")] == 41.0
+    assert values[("strata:gpu_memory_total_bytes", "0")] == 141 * 2**30
