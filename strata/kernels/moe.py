@@ -68,12 +68,17 @@ def moe(
     """The MoE block over rows x [R, H]: routed experts plus the (optionally sigmoid-gated) shared expert."""
     weights, ids = rows(route, x, router, top_k, norm_topk)
     out = routed_experts(x, weights, ids, gate_up, down, rows)
-    if shared is not None:
-        s = rows(swiglu, x, *shared)
-        if shared_gate is not None:
-            s = torch.sigmoid(rows(F.linear, x, shared_gate)) * s
-        out = out + s
-    return out
+    return add_shared_expert(out, x, shared, shared_gate, lambda *a: rows(swiglu, *a), lambda *a: rows(F.linear, *a))
+
+
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear) -> torch.Tensor:
+    """out + the shared expert's SwiGLU of x, scaled by sigmoid(x @ shared_gate) when there is a gate."""
+    if shared is None:
+        return out
+    s = run_swiglu(x, *shared)
+    if shared_gate is not None:
+        s = torch.sigmoid(run_linear(x, shared_gate)) * s
+    return out + s
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------------
@@ -251,9 +256,4 @@ def moe_triton(
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products."""
     weights, ids = route_triton(linear(x, router), top_k, norm_topk)
     out = fused_experts_triton(x, weights, ids, gate_up, down)
-    if shared is not None:
-        s = swiglu(x, *shared, linear=linear)
-        if shared_gate is not None:
-            s = torch.sigmoid(linear(x, shared_gate)) * s
-        out = out + s
-    return out
+    return add_shared_expert(out, x, shared, shared_gate, lambda *a: swiglu(*a, linear=linear), linear)
