@@ -15,7 +15,8 @@ if not isinstance(tl.sum, InterpretedFunction):
     pytest.skip("triton was imported (by an earlier test module) before TRITON_INTERPRET=1 was set: "
                 "set it in tests/conftest.py or the environment", allow_module_level=True)
 
-from strata.kernels.moe import fused_experts_triton, moe, moe_triton, route, route_triton, routed_experts  # noqa: E402
+from strata.kernels.moe import (PROMPT_TILES, fused_experts_triton, moe, moe_triton, route, route_triton,  # noqa: E402
+                                routed_experts)
 
 HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
 ROWS = [1, 3, 7, 33]
@@ -79,6 +80,29 @@ def test_fused_experts_match_reference(rows, top_k, dtype):
     ref = routed_experts(x.float(), weights.to(dtype).float(), ids, w["gate_up"].float(), w["down"].float())
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_route_keeps_ids_in_range_on_nan_logits():
+    logits = torch.randn(3, 8, generator=_gen(4))
+    logits[1] = float("nan")  # a broken row must not send the expert kernels outside their weights
+    _, ids = route_triton(logits, 2, True)
+    assert ids.min() >= 0 and ids.max() < 8
+    assert torch.equal(ids[[0, 2]].long(), route(logits[[0, 2]], torch.eye(8), 2, True)[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", [5, 70], ids=lambda r: f"R={r}")
+def test_fused_experts_prompt_tiles_match_reference(rows, dtype):
+    """Prompt windows' tiles (64 pairs x 128 columns): tiles partly filled, several per expert at R=70."""
+    w = make_weights(dtype)
+    x = make_x(rows, dtype)
+    weights, ids = routing(rows, 3)
+    out = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], PROMPT_TILES)
+    ref = routed_experts(x.float(), weights.to(dtype).float(), ids, w["gate_up"].float(), w["down"].float())
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    full = moe_triton(x, top_k=2, norm_topk=True, tiles=PROMPT_TILES, **make_weights(dtype))
+    torch.testing.assert_close(full.float(), moe(x.float(), top_k=2, norm_topk=True,
+                                                 **{k: _float(v) for k, v in make_weights(dtype).items()}), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -6,6 +6,7 @@ the shapes, and give each row the same bits whatever other rows share the call."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -88,6 +89,23 @@ BLOCK_N = 64  # output columns per tile
 BLOCK_K = 64  # reduction step: fixed, so a row's sums run in the same order whatever shares its tile
 
 
+@dataclass(frozen=True)
+class ExpertTiles:
+    """How `fused_experts_triton` tiles its grouped GEMMs. Decode windows (a few pairs per expert) use the
+    tensor-core minimum; prompt windows (hundreds of pairs per expert) take bigger tiles, which read each
+    expert's weights fewer times and keep the tensor cores busy."""
+
+    block_m: int = BLOCK_M  # (row, choice) pairs of one expert per tile
+    block_n: int = BLOCK_N  # output columns per tile
+    block_k: int = BLOCK_K  # reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_TILES = ExpertTiles()
+PROMPT_TILES = ExpertTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
 @triton.jit
 def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
                   K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
@@ -104,6 +122,7 @@ def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
     for j in tl.static_range(K_TOP):
         b_max = tl.max(b_p, axis=0)
         i_e = tl.min(tl.where(b_p == b_max, o_e, BLOCK_E), axis=0)  # ties -> lowest expert id
+        i_e = tl.minimum(i_e, E - 1)  # NaN logits match nothing: keep the id inside the expert table
         b_w = tl.where(o_j == j, b_max, b_w)
         b_i = tl.where(o_j == j, i_e, b_i)
         b_p = tl.where(o_e == i_e, -1.0, b_p)
@@ -202,10 +221,11 @@ def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor) -> torch.Tensor:
+                         down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES) -> torch.Tensor:
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
-    BLOCK_M pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes."""
+    `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
+    A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
@@ -221,22 +241,23 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     experts = torch.arange(E, device=dev)  # [E]
     starts = torch.searchsorted(sorted_e, experts)  # [E] (bincount would sync on CUDA)
     counts = torch.searchsorted(sorted_e, experts, right=True) - starts  # [E]
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
+    bm = tiles.block_m
+    blocks = (counts + bm - 1) // bm  # [E]
     block_ends = blocks.cumsum(0)  # [E]
-    max_blocks = triton.cdiv(P, BLOCK_M) + min(E, P)  # >= the tiles used, whatever the routing
-    slot = (block_ends - blocks)[sorted_e] * BLOCK_M + torch.arange(P, device=dev) - starts[sorted_e]  # [P]
-    pair_of_slot = torch.full((max_blocks * BLOCK_M,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM]
+    max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
+    slot = (block_ends - blocks)[sorted_e] * bm + torch.arange(P, device=dev) - starts[sorted_e]  # [P]
+    pair_of_slot = torch.full((max_blocks * bm,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM]
     pair_of_slot[slot] = order.int()
     expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()  # [max_blocks], E = unused
 
+    t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+             num_stages=tiles.num_stages)
     h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
-    _gate_up_kernel[(max_blocks, triton.cdiv(I, BLOCK_N))](
-        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(),
-        K_TOP=k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _gate_up_kernel[(max_blocks, triton.cdiv(I, tiles.block_n))](
+        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(), K_TOP=k, **t)
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
-    _down_kernel[(max_blocks, triton.cdiv(H, BLOCK_N))](
-        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _down_kernel[(max_blocks, triton.cdiv(H, tiles.block_n))](
+        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(), **t)
     _combine_kernel[(R, triton.cdiv(H, BLOCK_N))](
         y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=BLOCK_N)
     return out
@@ -252,8 +273,9 @@ def moe_triton(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_gate: torch.Tensor | None = None,
     linear: Linear = F.linear,
+    tiles: ExpertTiles = DECODE_TILES,
 ) -> torch.Tensor:
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products."""
     weights, ids = route_triton(linear(x, router), top_k, norm_topk)
-    out = fused_experts_triton(x, weights, ids, gate_up, down)
+    out = fused_experts_triton(x, weights, ids, gate_up, down, tiles)
     return add_shared_expert(out, x, shared, shared_gate, lambda *a: swiglu(*a, linear=linear), linear)

@@ -22,14 +22,19 @@ class Forward:
     def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype,
                  kernels: str = "torch", cuda_graphs: bool = False):
         """kernels: "torch" runs the reference ops everywhere; "triton" runs decode windows on the Triton kernels
-        (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`. Prompt windows always use the torch ops."""
+        (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`, and prompt windows' attention and MoE
+        blocks on the Triton prefill kernels (the projections stay on torch's GEMMs, which are fastest there)."""
         self.spec, self.weights, self.device, self.dtype = spec, weights, device, dtype
         a = spec.attention
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
         self.scale = a.head_dim**-0.5
         self.fast = None
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
+        self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
         if kernels == "triton":
+            from strata.kernels.moe import PROMPT_TILES, moe_triton
+
+            self.prompt_moe = lambda *a, **kw: moe_triton(*a, **kw, tiles=PROMPT_TILES)
             from strata.kernels.attention import prefill_attention_triton
 
             self.attend = prefill_attention_triton
@@ -127,7 +132,10 @@ class Forward:
             return rows(swiglu, x, w["gate_up"], w["down"])
         m = self.spec.moe
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
-        return moe(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"), rows)
+        args = (x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"))
+        if self.prompt_moe is not None and rows is plain:  # a prompt window: no host sync, grouped GEMMs
+            return self.prompt_moe(*args)
+        return moe(*args, rows)
 
 
 def _rows_for(window: Window):
