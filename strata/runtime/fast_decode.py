@@ -120,17 +120,20 @@ class GraphedDecode:
         rows = seq_ids.long()
         mine = self.decode.weights.layers
         saved = [(t, t[rows].clone()) for states in (pool.conv, pool.recurrent) for i, t in states.items() if i in mine]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        # Warm up and capture on a stream of this stage's own device: torch.cuda.graph's default capture stream
+        # is made once per process, on whichever device captured first, and would run a later stage's kernels
+        # on that device instead.
+        stream = torch.cuda.Stream(device=tokens.device)
+        stream.wait_stream(torch.cuda.current_stream(tokens.device))
         with torch.cuda.stream(stream):
             for _ in range(self.WARMUP):
                 self.decode(pool, *bufs)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(tokens.device).wait_stream(stream)
         for t, snapshot in saved:
             t[rows] = snapshot
         graph = torch.cuda.CUDAGraph()
         if self.memory_pool is None:
             self.memory_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
             out = self.decode(pool, *bufs)
         return graph, bufs, out
