@@ -15,7 +15,7 @@ if not isinstance(tl.sum, InterpretedFunction):
     pytest.skip("triton was imported (by an earlier test module) before TRITON_INTERPRET=1 was set: "
                 "set it in tests/conftest.py or the environment", allow_module_level=True)
 
-from strata.kernels.moe import (PROMPT_TILES, fused_experts_triton, moe, moe_triton, route, route_triton,  # noqa: E402
+from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, fused_experts_triton, moe, moe_triton, route, route_triton,  # noqa: E402
                                 routed_experts)
 
 HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
@@ -158,3 +158,27 @@ def test_moe_without_shared_expert_and_with_own_linear():
 
 def _float(v):
     return tuple(t.float() for t in v) if isinstance(v, tuple) else v.float()
+
+
+@pytest.mark.parametrize("tiles", ["decode", "prompt"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_experts_skip_ids_past_the_experts_held(dtype, tiles):
+    """Ids >= E (experts the CPU pool holds) add nothing and cost no tile: the result is the held pairs' sum, and
+    each row keeps its bits whatever the other rows skip."""
+    w = make_weights(dtype)
+    x = make_x(33, dtype)
+    weights, ids = routing(33, 3, experts=EXPERTS)
+    ids[3] = torch.tensor([7, 5, 6])  # a row with nothing here
+    skipped = ids >= 5  # experts 5, 6, 7 are "not here"; some rows skip everything
+    ids_here = torch.where(skipped, torch.full_like(ids, 5), ids)
+    t = PROMPT_TILES if tiles == "prompt" else DECODE_TILES
+    gu, down = w["gate_up"][:5], w["down"][:5]
+    out = fused_experts_triton(x, weights, ids_here.int(), gu, down, t)
+    ref = routed_experts(x.float(), weights.masked_fill(skipped, 0.0), ids.clamp(max=4), gu.float(), down.float())
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    torch.testing.assert_close(routed_experts(x.float(), weights, ids_here, gu.float(), down.float()), ref)
+    assert torch.equal(out[skipped.all(1)], torch.zeros_like(out[skipped.all(1)]))
+    for i in [0, 7, 32]:
+        alone = fused_experts_triton(x[i : i + 1], weights[i : i + 1], ids_here[i : i + 1].int(), gu, down, t)
+        assert torch.equal(alone[0], out[i]), f"row {i}"
+    assert torch.equal(fused_experts_triton(x, weights, ids.int() * 0, gu[:0], down[:0]), torch.zeros_like(x))

@@ -37,11 +37,12 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: L
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    rows: Rows = plain) -> torch.Tensor:
-    """Each row's top-k experts, weighted and summed. gate_up: [E, 2I, H]; down: [E, H, I]. Returns [R, H]."""
+    """Each row's top-k experts, weighted and summed. gate_up: [E, 2I, H]; down: [E, H, I]. Returns [R, H].
+    An id >= E names an expert not held here (the CPU expert pool computes it): its pair adds nothing."""
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()[: gate_up.shape[0]]
     row_of = order // ids.shape[1]  # the row of each (row, choice) pair, grouped by expert
     start = 0
     for expert, n in enumerate(counts):
@@ -210,13 +211,15 @@ def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     o_j = tl.arange(0, BLOCK_TOP)
     b_ids = tl.load(p_ids + i_r * K_TOP + o_j, mask=o_j < K_TOP, other=E)  # [BT], E in padding lanes
+    b_ids = tl.minimum(b_ids, E)  # ids >= E: experts not held here, skipped like padding
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     b_out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for _ in tl.static_range(K_TOP):
-        i_j = tl.min(tl.where(b_ids == tl.min(b_ids, axis=0), o_j, BLOCK_TOP), axis=0)
+        b_min = tl.min(b_ids, axis=0)
+        i_j = tl.min(tl.where(b_ids == b_min, o_j, BLOCK_TOP), axis=0)
         b_ids = tl.where(o_j == i_j, E, b_ids)
-        b_out += tl.load(p_y + (i_r * K_TOP + i_j).to(tl.int64) * H + o_n, mask=m_n, other=0.0)
+        b_out += tl.load(p_y + (i_r * K_TOP + i_j).to(tl.int64) * H + o_n, mask=m_n & (b_min < E), other=0.0)
     tl.store(p_out + i_r.to(tl.int64) * H + o_n, b_out.to(p_out.dtype.element_ty), mask=m_n)
 
 
@@ -225,7 +228,9 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
-    A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES."""
+    A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES.
+    A pair whose id is >= E (an expert not held on this device: the CPU expert pool computes it) is never
+    computed and adds nothing; the rows' other pairs keep their bits."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
@@ -233,6 +238,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     out = torch.empty_like(x)  # [R, H]
     if P == 0:
         return out
+    if E == 0:  # no expert held here: every pair is skipped
+        return out.zero_()
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     flat = ids.reshape(-1).long()  # [P]
@@ -245,8 +252,10 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     blocks = (counts + bm - 1) // bm  # [E]
     block_ends = blocks.cumsum(0)  # [E]
     max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
-    slot = (block_ends - blocks)[sorted_e] * bm + torch.arange(P, device=dev) - starts[sorted_e]  # [P]
-    pair_of_slot = torch.full((max_blocks * bm,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM]
+    held = sorted_e.clamp(max=E - 1)  # skipped pairs (ids >= E) sort last; their slot is the spare one below
+    slot = (block_ends - blocks)[held] * bm + torch.arange(P, device=dev) - starts[held]  # [P]
+    slot = torch.where(sorted_e < E, slot, max_blocks * bm)
+    pair_of_slot = torch.full((max_blocks * bm + 1,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM + spare]
     pair_of_slot[slot] = order.int()
     expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()  # [max_blocks], E = unused
 
