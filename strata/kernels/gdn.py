@@ -10,6 +10,9 @@ The recurrence, per value head h and token t (S is [Dk, Dv], k and q L2-normalis
 
 `gdn_decode_triton` is the decode step for a window of rows, one token per row, each row on its own
 sequence of the engine's pools: the conv and the recurrence update `conv_pool` and `rec_pool` in place.
+
+`causal_conv1d_triton` and `gated_delta_rule_chunked_triton` are the prefill of one sequence's prompt rows, with
+the contracts of `causal_conv1d` and `gated_delta_rule_chunked` (prompt windows with kernels="triton").
 """
 
 import torch
@@ -231,3 +234,248 @@ def gdn_decode_triton(
         KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv,
     )  # fmt: skip
     return out
+
+
+# Prefill in Triton: one sequence's prompt rows at a time, the same contracts as `causal_conv1d` and
+# `gated_delta_rule_chunked`.
+CONV_PREFILL_BLOCK_T = 32
+CONV_PREFILL_BLOCK_C = 128
+PREP_MAX_BLOCK_DV = 64  # Dv block of the per-chunk pass (u = T @ beta v, Dv walked inside the program)
+STATE_MAX_BLOCK_DV = 32  # Dv block of the sequential pass: Hv * Dv/32 programs (128 for 32 heads of 128)
+# Compiled offline for sm_90 (Triton 3.8, Dk = Dv = 128, chunk 64, bfloat16): the per-chunk pass spills at 4 warps,
+# not at 8; the sequential pass uses 64 KiB of shared memory and no spills at 4 warps (float32 inputs: IEEE
+# dots, one stage, so that its shared memory fits).
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    p_x, p_w, p_hist, p_out, p_new_hist,
+    T, C, stride_x, stride_w, stride_h, stride_out, stride_nh,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One program per (row block, channel block): conv + silu over its rows; the programs of the first row
+    block also write the new history (the last K-1 rows of history + x) for their channels."""
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_t, m_c = o_t < T, o_c < C
+    # Row s of history + x is x[s - (K-1)] when s >= K-1, else history[s]; tap j of output row t reads row t + j.
+    b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        o_s = o_t + j  # [BLOCK_T] rows of history + x
+        m_x = (o_s >= K - 1) & m_t
+        m_h = (o_s < K - 1) & m_t
+        p_xs = p_x + (o_s - (K - 1)).to(tl.int64)[:, None] * stride_x + o_c[None, :]
+        b_x = tl.load(p_xs, mask=m_x[:, None] & m_c[None, :], other=0.0)
+        b_h = tl.load(p_hist + o_s[:, None] * stride_h + o_c[None, :], mask=m_h[:, None] & m_c[None, :], other=0.0)
+        b_xs = b_x + b_h.to(p_x.dtype.element_ty)  # one of the two is 0: exact, in x's dtype as the reference
+        b_wj = tl.load(p_w + o_c * stride_w + j, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_C]
+        b_acc += b_xs.to(tl.float32) * b_wj[None, :]
+    b_out = b_acc * tl.sigmoid(b_acc)
+    p_o = p_out + o_t.to(tl.int64)[:, None] * stride_out + o_c[None, :]
+    tl.store(p_o, b_out.to(p_out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+    if i_t == 0:  # (names not used above: a compiled `if` may not change a variable's shape)
+        o_r = tl.arange(0, BLOCK_H)  # new history row r is row T + r of history + x
+        o_rs = T + o_r
+        m_r = o_r < K - 1
+        m_rx = (o_rs >= K - 1) & m_r
+        m_rh = (o_rs < K - 1) & m_r
+        p_rx = p_x + (o_rs - (K - 1)).to(tl.int64)[:, None] * stride_x + o_c[None, :]
+        b_rx = tl.load(p_rx, mask=m_rx[:, None] & m_c[None, :], other=0.0)
+        b_rh = tl.load(p_hist + o_rs[:, None] * stride_h + o_c[None, :], mask=m_rh[:, None] & m_c[None, :], other=0.0)
+        b_rs = b_rx + b_rh.to(p_x.dtype.element_ty)
+        p_nh = p_new_hist + o_r[:, None] * stride_nh + o_c[None, :]
+        tl.store(p_nh, b_rs.to(p_new_hist.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
+
+
+def causal_conv1d_triton(x: Tensor, weight: Tensor, history: Tensor) -> tuple[Tensor, Tensor]:
+    """`causal_conv1d` in one Triton kernel: x [T, C] (rows may be strided, channels contiguous), weight [C, K],
+    history [K-1, C]; returns the output [T, C] and the new history [K-1, C], both in x's dtype (new tensors:
+    `history` is only read). Tiles of 32 rows x 128 channels, float32 accumulation in the reference's tap order.
+    """
+    num_tokens, num_channels = x.shape
+    num_taps = weight.shape[1]
+    assert num_taps >= 2 and weight.shape[0] == num_channels, (x.shape, weight.shape)
+    assert history.shape == (num_taps - 1, num_channels), (history.shape, weight.shape)
+    x, weight, history = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight, history))
+    out = torch.empty(num_tokens, num_channels, device=x.device, dtype=x.dtype)  # [T, C]
+    new_history = torch.empty(num_taps - 1, num_channels, device=x.device, dtype=x.dtype)  # [K-1, C]
+    grid = (max(1, triton.cdiv(num_tokens, CONV_PREFILL_BLOCK_T)), triton.cdiv(num_channels, CONV_PREFILL_BLOCK_C))
+    _conv_prefill_kernel[grid](
+        x, weight, history, out, new_history,
+        num_tokens, num_channels, x.stride(0), weight.stride(0), history.stride(0), out.stride(0),
+        new_history.stride(0),
+        K=num_taps, BLOCK_T=CONV_PREFILL_BLOCK_T, BLOCK_C=CONV_PREFILL_BLOCK_C,
+        BLOCK_H=triton.next_power_of_2(num_taps - 1),
+    )  # fmt: skip
+    return out, new_history
+
+
+@triton.jit
+def _gdn_chunk_prep_kernel(
+    p_q, p_k, p_v, p_g, p_beta, p_w, p_u, p_qd, p_kd, p_aqk, p_gl,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (chunk, value head), all independent: everything of a chunk that does not need the state.
+
+    With gc the within-chunk cumsum of g, gl = gc[-1], and A = strict_lower(beta_i k_i.k_j exp(gc_i - gc_j)),
+    it inverts (I + A) by forward substitution (float32) and writes, for the sequential pass:
+    w = (I+A)^-1 (beta k exp(gc)), u = (I+A)^-1 (beta v), qd = q exp(gc), kd = k exp(gl - gc),
+    aqk = lower(q_i.k_j exp(gc_i - gc_j)) and gl. q, k are L2-normalised here (q also scaled by DK**-0.5).
+    """
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    num_chunks = tl.num_programs(0)
+    i_kh = i_h // GROUP
+    o_r = tl.arange(0, BT)  # row within the chunk
+    o_t = i_n * BT + o_r  # row of the prompt
+    m_t = o_t < T
+    o_t64 = o_t.to(tl.int64)
+    o_k = tl.arange(0, BLOCK_DK)
+    m_k = o_k < DK
+    m_tk = m_t[:, None] & m_k[None, :]
+    # Rows past T load as zeros: k = 0 and beta = 0 write nothing, g = 0 decays nothing (as the reference's padding).
+    b_g = tl.load(p_g + o_t64 * stride_gt + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+    b_beta = tl.load(p_beta + o_t64 * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+    b_gc = tl.cumsum(b_g, axis=0)
+    b_gl = tl.sum(tl.where(o_r == BT - 1, b_gc, 0.0), axis=0)
+
+    p_qs = p_q + o_t64[:, None] * stride_qt + i_kh * stride_qh + o_k[None, :]
+    b_q = tl.load(p_qs, mask=m_tk, other=0.0).to(tl.float32)  # [BT, BLOCK_DK]
+    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * (DK**-0.5))[:, None]
+    p_ks = p_k + o_t64[:, None] * stride_kt + i_kh * stride_kh + o_k[None, :]
+    b_k = tl.load(p_ks, mask=m_tk, other=0.0).to(tl.float32)  # [BT, BLOCK_DK]
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+
+    m_lower = o_r[:, None] >= o_r[None, :]  # [BT, BT], diagonal included
+    b_decay = tl.where(m_lower, tl.exp(tl.where(m_lower, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    b_kc = b_k.to(p_w.dtype.element_ty)
+    b_kt = tl.trans(b_kc)  # [BLOCK_DK, BT]
+    b_kk = tl.dot(b_kc, b_kt, input_precision=PRECISION)  # [BT, BT]
+    b_a = tl.where(o_r[:, None] > o_r[None, :], b_kk * b_decay * b_beta[:, None], 0.0)
+    b_qk = tl.dot(b_q.to(p_w.dtype.element_ty), b_kt, input_precision=PRECISION) * b_decay  # [BT, BT]
+
+    row = (i_h * num_chunks * BT + o_t).to(tl.int64)  # row of the [Hv, N*BT, .] scratch buffers
+    tl.store(p_aqk + row[:, None] * BT + o_r[None, :], b_qk.to(p_aqk.dtype.element_ty))
+    tl.store(p_qd + row[:, None] * DK + o_k[None, :], (b_q * tl.exp(b_gc)[:, None]).to(p_qd.dtype.element_ty),
+             mask=m_k[None, :])
+    tl.store(p_kd + row[:, None] * DK + o_k[None, :], (b_k * tl.exp(b_gl - b_gc)[:, None]).to(p_kd.dtype.element_ty),
+             mask=m_k[None, :])
+    tl.store(p_gl + i_h * num_chunks + i_n, b_gl)
+
+    # (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] row j (rows j < i already final).
+    b_inv = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)  # [BT, BT] float32
+    num_valid = tl.minimum(T - i_n * BT, BT)  # rows past T are e_i already (their A rows are 0)
+    for i in range(1, num_valid):
+        m_i = o_r[:, None] == i
+        b_ai = tl.sum(tl.where(m_i, b_a, 0.0), axis=0)  # [BT]: A[i, :]
+        b_inv = tl.where(m_i, b_inv - tl.sum(b_ai[:, None] * b_inv, axis=0)[None, :], b_inv)
+    b_invc = b_inv.to(p_w.dtype.element_ty)
+
+    b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
+    b_w = tl.dot(b_invc, b_kb.to(p_w.dtype.element_ty), input_precision=PRECISION)  # [BT, BLOCK_DK]
+    tl.store(p_w + row[:, None] * DK + o_k[None, :], b_w.to(p_w.dtype.element_ty), mask=m_k[None, :])
+    for v0 in range(0, DV, BLOCK_DV):
+        o_v = v0 + tl.arange(0, BLOCK_DV)
+        m_v = o_v < DV
+        p_vs = p_v + o_t64[:, None] * stride_vt + i_h * stride_vh + o_v[None, :]
+        b_v = tl.load(p_vs, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BT, BLOCK_DV]
+        b_vb = (b_v * b_beta[:, None]).to(p_u.dtype.element_ty)
+        b_u = tl.dot(b_invc, b_vb, input_precision=PRECISION)
+        tl.store(p_u + row[:, None] * DV + o_v[None, :], b_u.to(p_u.dtype.element_ty), mask=m_v[None, :])
+
+
+@triton.jit
+def _gdn_chunk_state_kernel(
+    p_w, p_u, p_qd, p_kd, p_aqk, p_gl, p_s0, p_o, p_s,
+    T, num_chunks, stride_ot, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (value head, Dv block), walking the chunks in order with its [Dk, BLOCK_DV] float32 state:
+    v_new = u - w S; o = qd S + aqk v_new; S = exp(gl) S + kd^T v_new (four tensor-core dots per chunk)."""
+    i_h, i_v = tl.program_id(0), tl.program_id(1)
+    o_r = tl.arange(0, BT)
+    o_k = tl.arange(0, BLOCK_DK)
+    o_v = i_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    m_k, m_v = o_k < DK, o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]  # [Hv, Dk, Dv] contiguous
+    b_s = tl.load(p_s0 + o_s, mask=m_s, other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    dot_ty = p_w.dtype.element_ty
+    for i_n in range(num_chunks):
+        o_t = i_n * BT + o_r
+        row = (i_h * num_chunks * BT + o_t).to(tl.int64)
+        b_w = tl.load(p_w + row[:, None] * DK + o_k[None, :], mask=m_k[None, :], other=0.0)  # [BT, BLOCK_DK]
+        b_qd = tl.load(p_qd + row[:, None] * DK + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_kd = tl.load(p_kd + row[:, None] * DK + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_u = tl.load(p_u + row[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        b_aqk = tl.load(p_aqk + row[:, None] * BT + o_r[None, :])  # [BT, BT]
+        b_gl = tl.load(p_gl + i_h * num_chunks + i_n)
+
+        b_sc = b_s.to(dot_ty)
+        b_vn = b_u - tl.dot(b_w, b_sc, input_precision=PRECISION)  # [BT, BLOCK_DV] float32
+        b_vnc = b_vn.to(dot_ty)
+        b_o = tl.dot(b_qd, b_sc, input_precision=PRECISION)
+        b_o = tl.dot(b_aqk, b_vnc, b_o, input_precision=PRECISION)
+        p_os = p_o + o_t.to(tl.int64)[:, None] * stride_ot + i_h * stride_oh + o_v[None, :]
+        tl.store(p_os, b_o.to(p_o.dtype.element_ty), mask=(o_t < T)[:, None] & m_v[None, :])
+        b_s = b_s * tl.exp(b_gl) + tl.dot(tl.trans(b_kd), b_vnc, input_precision=PRECISION)
+    tl.store(p_s + o_s, b_s, mask=m_s)
+
+
+def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """`gated_delta_rule_chunked` on Triton: same shapes, dtypes and results (within float tolerance).
+
+    Two kernels. `_gdn_chunk_prep_kernel`, one program per (chunk, value head), all in parallel: the L2 norm
+    and scaling of q/k, the within-chunk cumsum of g, the UT transform (I + A)^-1 by forward substitution in
+    float32, and the chunk's w, u, decayed q/k and masked q k^T into scratch buffers. `_gdn_chunk_state_kernel`,
+    one program per (value head, 32 Dv columns), walks the chunks in order on a float32 state tile: four tl.dot
+    per chunk on [chunk, D] tiles. Dots take operands in the input dtype (float16/bfloat16: tensor cores, float32
+    accumulation; float32 inputs: IEEE float32 dots); the state stays float32 between chunks.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; state: [Hv, Dk, Dv] float32 (only read).
+    chunk_size: a power of two >= 16. Returns output [T, Hv, Dv] in q's dtype and the new state float32.
+    """
+    _check(q, k, v, g, beta, state)
+    assert chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0, chunk_size
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
+    num_tokens, num_k_heads, head_k_dim = q.shape
+    num_v_heads, head_v_dim = v.shape[1:]
+    device = q.device
+    out = torch.empty(num_tokens, num_v_heads, head_v_dim, device=device, dtype=q.dtype)  # [T, Hv, Dv]
+    new_state = torch.empty(num_v_heads, head_k_dim, head_v_dim, device=device, dtype=torch.float32)
+    if num_tokens == 0:
+        return out, new_state.copy_(state)
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    state = state.to(torch.float32).contiguous()
+
+    num_chunks = triton.cdiv(num_tokens, chunk_size)
+    rows = num_chunks * chunk_size
+    dot_dtype = q.dtype  # float32 inputs: IEEE float32 dots (tf32 would cost ~1e-3 relative)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (ignored for 16-bit operands)
+    w = torch.empty(num_v_heads, rows, head_k_dim, device=device, dtype=dot_dtype)  # [Hv, N*C, Dk]
+    q_decayed, k_decayed = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty(num_v_heads, rows, head_v_dim, device=device, dtype=dot_dtype)  # [Hv, N*C, Dv]
+    attn = torch.empty(num_v_heads, rows, chunk_size, device=device, dtype=dot_dtype)  # [Hv, N*C, C]
+    chunk_decay = torch.empty(num_v_heads, num_chunks, device=device, dtype=torch.float32)  # [Hv, N] log
+    block_dk = max(16, triton.next_power_of_2(head_k_dim))
+    dv_pow2 = max(16, triton.next_power_of_2(head_v_dim))
+
+    _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
+        q, k, v, g, beta, w, u, q_decayed, k_decayed, attn, chunk_decay,
+        num_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0),
+        GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BT=chunk_size,
+        BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision, num_warps=8,
+    )  # fmt: skip
+    block_dv = min(dv_pow2, STATE_MAX_BLOCK_DV)
+    _gdn_chunk_state_kernel[(num_v_heads, triton.cdiv(head_v_dim, block_dv))](
+        w, u, q_decayed, k_decayed, attn, chunk_decay, state, out, new_state,
+        num_tokens, num_chunks, out.stride(0), out.stride(1),
+        DK=head_k_dim, DV=head_v_dim, BT=chunk_size, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PRECISION=precision,
+        num_warps=4, num_stages=1 if q.dtype == torch.float32 else 2,
+    )  # fmt: skip
+    return out, new_state

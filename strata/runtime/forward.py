@@ -22,8 +22,9 @@ class Forward:
     def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype,
                  kernels: str = "torch", cuda_graphs: bool = False):
         """kernels: "torch" runs the reference ops everywhere; "triton" runs decode windows on the Triton kernels
-        (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`, and prompt windows' attention and MoE
-        blocks on the Triton prefill kernels (the projections stay on torch's GEMMs, which are fastest there)."""
+        (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`, and prompt windows' attention, MoE and GDN
+        (conv + chunked delta rule) blocks on the Triton prefill kernels (the projections stay on torch's GEMMs,
+        which are fastest there)."""
         self.spec, self.weights, self.device, self.dtype = spec, weights, device, dtype
         a = spec.attention
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
@@ -31,6 +32,7 @@ class Forward:
         self.fast = None
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
+        self.prompt_gdn = None  # (conv, chunked delta rule) on Triton for prompt windows (None: the torch references)
         if kernels == "triton":
             from strata.kernels.moe import PROMPT_TILES, moe_triton
 
@@ -38,6 +40,9 @@ class Forward:
             from strata.kernels.attention import prefill_attention_triton
 
             self.attend = prefill_attention_triton
+            from strata.kernels.gdn import causal_conv1d_triton, gated_delta_rule_chunked_triton
+
+            self.prompt_gdn = (causal_conv1d_triton, gated_delta_rule_chunked_triton)
             from strata.runtime.fast_decode import GraphedDecode, TritonDecode
 
             self.fast = TritonDecode(spec, weights, self.inv_freq)
@@ -111,10 +116,12 @@ class Forward:
         beta = torch.sigmoid(b)
         decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv] log decay
         out = torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
+        prompt_gdn = self.prompt_gdn if rows is plain else None  # Triton in prompt windows
+        conv = causal_conv1d if prompt_gdn is None else prompt_gdn[0]
         for seg in window.segments:
             seg_rows = slice(seg.start, seg.stop)
             state = seg.state
-            conv_out, history = causal_conv1d(mixed[seg_rows], w["conv"], state.conv[i])
+            conv_out, history = conv(mixed[seg_rows], w["conv"], state.conv[i])
             state.conv[i].copy_(history)
             q, k, v = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
             n = seg.num_rows
@@ -122,6 +129,8 @@ class Forward:
             k = k.reshape(n, g.num_k_heads, g.k_head_dim)
             v = v.reshape(n, g.num_v_heads, g.v_head_dim)
             rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
+            if prompt_gdn is not None:
+                rule = prompt_gdn[1]  # any n, 1 included
             out[seg_rows], new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
             state.recurrent[i].copy_(new_state)
         out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
