@@ -103,7 +103,7 @@ class EngineSettings(StrataSettings):
             except ValueError:
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
-                    trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget)
+                    trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -51,9 +51,11 @@ class ModelFiles:
             spec = ModelSpec(**{**spec.__dict__, "num_mtp_layers": mtp})
         return cls(ckpt, family, spec, ckpt.tokenizer())
 
-    def load(self, device: torch.device, dtype: torch.dtype, layers: range | None = None, trim: bool = True) -> StageWeights:
+    def load(self, device: torch.device, dtype: torch.dtype, layers: range | None = None, trim: bool = True,
+             resident: dict[int, tuple[int, ...]] | None = None) -> StageWeights:
+        """`resident`: per MoE layer that keeps only some experts on `device`, their ids (the rest: host RAM)."""
         layers = layers if layers is not None else range(self.spec.num_layers)
         return load_stage_weights(
             self.checkpoint, self.family, self.spec, layers, device, dtype,
-            first=layers.start == 0, last=layers.stop == self.spec.num_layers, trim=trim,
+            first=layers.start == 0, last=layers.stop == self.spec.num_layers, trim=trim, resident=resident,
         )

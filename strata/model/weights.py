@@ -9,6 +9,9 @@ Neutral names per layer (shapes in torch orientation, [out, in]):
   dense:     gate_up [2I, hidden], down [hidden, I]
   moe:       router [E, hidden], experts_gate_up [E, 2I, hidden], experts_down [E, hidden, I],
              shared_gate_up, shared_down, shared_gate [1, hidden] (when the spec has them)
+             With some experts in host RAM (`resident`): experts_gate_up / experts_down hold the M resident ones
+             only, expert_slot [E] int32 maps a global id to its slot (M: not here), and `offloaded` holds the
+             rest on the host (`strata.experts.residency.split_experts`).
 Only the named layers are read, so a stage holds no tensor of another stage's layers.
 """
 
@@ -34,6 +37,11 @@ class StageWeights:
     lm_head: torch.Tensor | None = None  # [V, hidden]; the embedding itself when tied
     mtp: Tensors = field(default_factory=dict)  # raw mtp.* tensors, kept for drafting
     held: dict[int, Tensors] = field(default_factory=dict)  # other stages' dense tensors, when not trimmed (unused)
+    offloaded: dict[int, Tensors] = field(default_factory=dict)  # per MoE layer, the experts kept in host RAM
+
+    def host_nbytes(self) -> int:
+        """Bytes of the experts kept in host RAM for the CPU pool (not counted by `nbytes`)."""
+        return sum(t.numel() * t.element_size() for layer in self.offloaded.values() for t in layer.values())
 
     def nbytes(self) -> int:
         seen, total = set(), 0
@@ -54,7 +62,8 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+            device: torch.device | None = None) -> torch.Tensor:
         if name not in self.names:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
         t = self.ckpt.load(name, dtype or self.dtype)
@@ -62,7 +71,7 @@ class _Reader:
             raise CheckpointError(
                 f"{self.ckpt.path}: tensor {name!r} has shape {list(t.shape)}, the config implies {list(shape)}"
             )
-        return t.to(self.device).contiguous()
+        return t.to(device or self.device).contiguous()
 
     def norm(self, name: str, dim: int, offset: float) -> torch.Tensor:
         w = self.get(name, (dim,), torch.float32)
@@ -117,31 +126,43 @@ def _gdn(r: _Reader, p: str, spec: ModelSpec, family: Family) -> Tensors:
     }
 
 
-def _swiglu(r: _Reader, p: str, hidden: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gate_up = torch.cat([r.get(f"{p}gate_proj.weight", (dim, hidden)), r.get(f"{p}up_proj.weight", (dim, hidden))])
-    return gate_up, r.get(f"{p}down_proj.weight", (hidden, dim))
+def _swiglu(r: _Reader, p: str, hidden: int, dim: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = torch.cat([r.get(f"{p}gate_proj.weight", (dim, hidden), device=device),
+                         r.get(f"{p}up_proj.weight", (dim, hidden), device=device)])
+    return gate_up, r.get(f"{p}down_proj.weight", (hidden, dim), device=device)
 
 
-def _experts(r: _Reader, p: str, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _experts(r: _Reader, p: str, spec: ModelSpec, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     m, hidden = spec.moe, spec.hidden_size
     e, i = m.num_experts, m.expert_dim
     if r.has(f"{p}gate_up_proj"):  # fused 3-D tensors
-        return r.get(f"{p}gate_up_proj", (e, 2 * i, hidden)), r.get(f"{p}down_proj", (e, hidden, i))
+        return r.get(f"{p}gate_up_proj", (e, 2 * i, hidden), device=device), r.get(f"{p}down_proj", (e, hidden, i), device=device)
     if r.has(f"{p}gate_proj"):  # stacked 3-D tensors (GGUF)
-        gate_up = torch.cat([r.get(f"{p}gate_proj", (e, i, hidden)), r.get(f"{p}up_proj", (e, i, hidden))], dim=1)
-        return gate_up, r.get(f"{p}down_proj", (e, hidden, i))
-    pairs = [_swiglu(r, f"{p}{x}.", hidden, i) for x in range(e)]
+        gate_up = torch.cat([r.get(f"{p}gate_proj", (e, i, hidden), device=device),
+                             r.get(f"{p}up_proj", (e, i, hidden), device=device)], dim=1)
+        return gate_up, r.get(f"{p}down_proj", (e, hidden, i), device=device)
+    pairs = [_swiglu(r, f"{p}{x}.", hidden, i, device) for x in range(e)]
     return torch.stack([gu for gu, _ in pairs]), torch.stack([d for _, d in pairs])
 
 
-def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str) -> Tensors:
+def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str, resident: tuple[int, ...] | None = None,
+         offloaded: Tensors | None = None) -> Tensors:
+    """`resident`: the ids of the experts this layer keeps on the device (None: all); the others are read into
+    host RAM only and put in `offloaded`."""
     hidden = spec.hidden_size
     if kind == "dense":
         gate_up, down = _swiglu(r, p, hidden, spec.dense_dim)
         return {"gate_up": gate_up, "down": down}
     m = spec.moe
-    gate_up, down = _experts(r, f"{p}experts.", spec)
-    w = {"router": r.get(f"{p}gate.weight", (m.num_experts, hidden)), "experts_gate_up": gate_up, "experts_down": down}
+    w = {"router": r.get(f"{p}gate.weight", (m.num_experts, hidden))}
+    if resident is None:
+        w["experts_gate_up"], w["experts_down"] = _experts(r, f"{p}experts.", spec)
+    else:  # read on the host, so the device never holds more than the resident experts
+        from strata.experts.residency import split_experts
+
+        on_device, on_host = split_experts(*_experts(r, f"{p}experts.", spec, torch.device("cpu")), resident, r.device)
+        w |= on_device
+        offloaded.update(on_host)
     if m.shared_dim:
         w["shared_gate_up"], w["shared_down"] = _swiglu(r, f"{p}shared_expert.", hidden, m.shared_dim)
         if m.shared_gate:
@@ -160,13 +181,18 @@ def load_stage_weights(
     first: bool = True,
     last: bool = True,
     trim: bool = True,
+    resident: dict[int, tuple[int, ...]] | None = None,
 ) -> StageWeights:
     """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last).
 
     Without `trim`, a stage also holds every other layer's dense tensors (all but the routed experts), as an
-    untrimmed stage of the original system did: they are never used, only held (`--trim-stage-weights` off)."""
+    untrimmed stage of the original system did: they are never used, only held (`--trim-stage-weights` off).
+    `resident`: for MoE layers that keep only some experts on `device`, their ids (`strata.experts.residency`);
+    the other experts go to `StageWeights.offloaded` in host RAM."""
     r = _Reader(ckpt, device, dtype)
     pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
+    resident = resident or {}
+    offloaded: dict[int, Tensors] = {}
 
     def layer_tensors(i: int, experts: bool) -> Tensors:
         p = f"{pre}layers.{i}."
@@ -174,11 +200,13 @@ def load_stage_weights(
         w = {"attn_norm": r.norm(f"{p}input_layernorm.weight", hidden, off),
              "mlp_norm": r.norm(f"{p}post_attention_layernorm.weight", hidden, off)}
         w |= _attention(r, f"{p}self_attn.", spec, off) if layer.mixer == "attention" else _gdn(r, f"{p}linear_attn.", spec, family)
-        if experts or layer.mlp == "dense":
+        if experts and i in resident:
+            w |= _mlp(r, f"{p}mlp.", spec, layer.mlp, resident[i], offloaded.setdefault(i, {}))
+        elif experts or layer.mlp == "dense":
             w |= _mlp(r, f"{p}mlp.", spec, layer.mlp)
         return w
 
-    weights = StageWeights(layers={i: layer_tensors(i, experts=True) for i in layers})
+    weights = StageWeights(layers={i: layer_tensors(i, experts=True) for i in layers}, offloaded=offloaded)
     if not trim:
         weights.held = {i: layer_tensors(i, experts=False) for i in range(spec.num_layers) if i not in layers}
     embed_shape = (spec.vocab_size, hidden)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.experts.block import pooled_moe
+from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.linear import linear_triton
@@ -28,8 +30,12 @@ from strata.state.session import StatePool
 class TritonDecode:
     """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
 
-    def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor):
+    def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor,
+                 pools: dict[int, ExpertPool] | None = None):
+        """`pools`: the CPU expert pools of the MoE layers that keep some experts in host RAM. Their layers wait
+        for the host mid-window, so a stage with pools is not captured as a CUDA graph (`Forward`)."""
         self.spec, self.weights, self.inv_freq = spec, weights, inv_freq
+        self.pools = pools or {}
         self.scale = spec.attention.head_dim**-0.5
 
     def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
@@ -85,6 +91,8 @@ class TritonDecode:
             gate, up = linear_triton(x, w["gate_up"]).chunk(2, dim=-1)
             return linear_triton(F.silu(gate) * up, w["down"])
         m = self.spec.moe
+        if i in self.pools:
+            return pooled_moe(x, w, m, self.pools[i], kernels="decode")
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
                           w.get("shared_gate"), linear=linear_triton)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.experts.block import pooled_moe
+from strata.experts.pool import stage_pools
 from strata.kernels.attention import attention
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
@@ -30,6 +32,7 @@ class Forward:
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
         self.scale = a.head_dim**-0.5
         self.fast = None
+        self.pools = stage_pools(weights.offloaded, spec.moe.num_experts) if weights.offloaded else {}  # CPU experts
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
         self.prompt_gdn = None  # (conv, chunked delta rule) on Triton for prompt windows (None: the torch references)
@@ -45,8 +48,8 @@ class Forward:
             self.prompt_gdn = (causal_conv1d_triton, gated_delta_rule_chunked_triton)
             from strata.runtime.fast_decode import GraphedDecode, TritonDecode
 
-            self.fast = TritonDecode(spec, weights, self.inv_freq)
-            if cuda_graphs:
+            self.fast = TritonDecode(spec, weights, self.inv_freq, self.pools)
+            if cuda_graphs and not self.pools:  # a window that waits for the CPU pool cannot be captured
                 self.fast = GraphedDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -141,6 +144,8 @@ class Forward:
             return rows(swiglu, x, w["gate_up"], w["down"])
         m = self.spec.moe
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
+        if i in self.pools:  # some of this layer's experts are in host RAM: the CPU pool computes their pairs
+            return pooled_moe(x, w, m, self.pools[i], rows, "prompt" if self.prompt_moe is not None and rows is plain else "torch")
         args = (x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"))
         if self.prompt_moe is not None and rows is plain:  # a prompt window: no host sync, grouped GEMMs
             return self.prompt_moe(*args)

@@ -9,6 +9,8 @@ from typing import Iterator
 import torch
 
 from strata.errors import PromptTooLong, StrataError
+from strata.experts.budget import check_expert_budget
+from strata.experts.residency import place_experts, residency_by_device
 from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights
@@ -26,22 +28,6 @@ class Generation:
     finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_new_tokens or max_cells reached)
 
 
-def check_expert_budget(spec: ModelSpec, plan: list, budget_gb: list[float], dtype_bytes: int) -> None:
-    """Every stage keeps all of its routed experts on its device: refuse a budget that would need the CPU pool."""
-    if len(budget_gb) not in (1, len(plan)):
-        raise StrataError(f"--expert-budget-gb has {len(budget_gb)} values for {len(plan)} stage(s)")
-    m = spec.moe
-    for k, (layers, device) in enumerate(plan):
-        need = sum(3 * m.num_experts * m.expert_dim * spec.hidden_size * dtype_bytes
-                   for i in layers if spec.layers[i].mlp == "moe") if m else 0
-        budget = budget_gb[k if len(budget_gb) > 1 else 0] * 1e9
-        if need > budget:
-            raise StrataError(
-                f"stage {k} ({device}) holds {need / 1e9:.1f} GB of routed experts but --expert-budget-gb allows "
-                f"{budget / 1e9:.1f} GB: computing the rest on the CPU (the expert pool) is not implemented yet; "
-                "raise the budget, or split the layers over more devices")
-
-
 class Engine:
     """One model, split over one or more stages, decoding sequences through the window forward pass."""
 
@@ -49,7 +35,7 @@ class Engine:
                  max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
-                 trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None):
+                 trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`."""
         self.files = files
         self.spec = files.spec if files is not None else spec
@@ -64,14 +50,20 @@ class Engine:
         plan = plan_stages(self.spec, layer_split, self.device, split_device, batch_groups)
         if weights is not None and not callable(weights) and len(plan) > 1:
             raise StrataError("a layer split needs a checkpoint (or a weights factory) to load each stage from")
-        if expert_budget_gb is not None:
-            check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
+        # expert_budget_gb: per stage, GB of routed experts kept on its device; the CPU pool computes the rest
+        # (strata.experts), in cpu_threads threads (torch's, process-wide: a GPU engine does no other CPU math)
+        residency = check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
+        if cpu_threads is not None and any(r.pooled for r in residency):
+            torch.set_num_threads(cpu_threads)
         stages = []
         for k, (layers, stage_device) in enumerate(plan):
+            resident = residency[k].layer_ids()  # None when every expert of the stage fits its budget
             if callable(weights):  # a factory (layers, device, trim) -> StageWeights, e.g. random weights
-                w = weights(layers, stage_device, trim_stage_weights)
+                w = place_experts(weights(layers, stage_device, trim_stage_weights), resident, stage_device)
+            elif weights is not None:
+                w = place_experts(weights, resident, stage_device)
             else:
-                w = weights if weights is not None else files.load(stage_device, dtype, layers, trim=trim_stage_weights)
+                w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             stages.append(Stage(k, layers, stage_device, w, Forward(self.spec, w, stage_device, dtype, kernels, graphs),
                                 ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))
@@ -85,6 +77,11 @@ class Engine:
     @property
     def stages(self) -> list[Stage]:
         return self.pipeline.stages
+
+    def expert_residency(self) -> dict[str, float]:
+        """Per device ("cuda:0", "cpu"): the share of its stages' routed experts held on it (1.0 when all are, and
+        for a model or stage without routed experts); the rest are computed by the CPU pool."""
+        return residency_by_device(self.spec, self.stages)
 
     def forward(self, window: Window) -> torch.Tensor:
         """One window through every stage; the logits of its logit rows."""

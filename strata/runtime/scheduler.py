@@ -41,7 +41,7 @@ class Scheduler:
                 "max_cells": self.engine.max_cells, "batch": len(self.slots) if self.slots else 0,
                 "batch_groups": len(self.slots.groups) if self.slots else 0, "stages": len(self.engine.stages),
                 "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
-                "pid": os.getpid()}
+                "expert_residency": self.engine.expert_residency(), "pid": os.getpid()}
 
     def handle(self, line: str) -> bool:
         """Carry out one command line; False once the engine should exit. Bad input answers ERR and changes nothing."""

@@ -1,0 +1,105 @@
+"""The CPU expert pool: the experts of one MoE layer that are not on the stage's device, in host RAM, and the
+computation of the (row, expert) pairs routed to them.
+
+Per layer and window: `start` copies the window's rows and their routing to the host (asynchronously on a
+GPU: pinned buffers, non-blocking copies, an event) before the device kernels of the resident experts are
+queued; `finish` waits for that copy only (not for the device kernels, which run meanwhile), computes the
+pairs whose expert is here with torch on the CPU, and copies their sum back (pinned, non-blocking, queued
+on the stage's stream before the addition that reads it). The pool's weights are never copied to the device.
+
+Row invariance: each expert's pairs run through `rows` (`in_row_blocks` in decode windows: fixed, zero-padded
+blocks of rows), and a row's pair outputs are summed in float32 in ascending expert id. So a row's CPU share,
+like its device share, does not depend on which other rows share the window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.moe import swiglu
+
+Tensors = dict[str, torch.Tensor]
+
+
+class ExpertPool:
+    """One MoE layer's experts kept in host RAM: `gate_up` [N, 2I, H], `down` [N, H, I] for global ids `ids` [N]."""
+
+    def __init__(self, offloaded: Tensors, num_experts: int):
+        self.gate_up, self.down = offloaded["gate_up"], offloaded["down"]
+        ids = offloaded["ids"].long()
+        self.num_here = int(ids.numel())
+        self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)  # global id -> here, N: not here
+        self.index[ids] = torch.arange(self.num_here)
+        self.pairs_here = 0  # pairs computed by the pool so far
+        self.pairs_total = 0  # pairs routed in this layer so far (device + pool)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+
+    def start(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> "PoolJob":
+        """Begin one window: x [R, H], weights and global expert ids [R, k] of every row (on the stage's device).
+        Queue their copy to the host; the caller queues the device's share next, then calls `finish`."""
+        return PoolJob(self, x, weights, ids)
+
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, rows) -> torch.Tensor:
+        """On the host: the weighted sum of each row's pairs whose expert is here, [R, H] float32; zeros for a row
+        with none."""
+        r, k = ids.shape
+        out = torch.zeros(r, x.shape[1], dtype=torch.float32)
+        flat = self.index[ids.reshape(-1).long()]  # [R*k] index here, or num_here
+        pairs = torch.nonzero(flat < self.num_here).squeeze(1)  # [P'] pair ids (row * k + choice), ascending
+        self.pairs_total += r * k
+        self.pairs_here += int(pairs.numel())
+        if not pairs.numel():
+            return out
+        here = flat[pairs]
+        order = torch.argsort(here, stable=True)
+        pairs, here = pairs[order], here[order]
+        experts, counts = torch.unique_consecutive(here, return_counts=True)
+        route = weights.reshape(-1).float()
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            sel = pairs[start : start + n]
+            start += n
+            row = sel // k
+            y = rows(swiglu, x[row], self.gate_up[e], self.down[e]).float() * route[sel, None]
+            out.index_add_(0, row, y)  # one pair per row and expert: a row's sum runs in ascending expert id
+        return out
+
+
+class PoolJob:
+    """One window's pairs on the pool: the host copies of its inputs, then (`finish`) the result on the device."""
+
+    def __init__(self, pool: ExpertPool, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        self.pool, self.device, self.dtype = pool, x.device, x.dtype
+        self.copied = None
+        if x.device.type == "cuda":
+            self.x, self.weights, self.ids = (_to_pinned(t) for t in (x, weights, ids))
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(x.device))
+        else:
+            self.x, self.weights, self.ids = x, weights, ids
+
+    def finish(self, rows) -> torch.Tensor:
+        """The pool's share of every row, [R, H] in the rows' dtype on their device (zeros where none)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the host waits for its copy of the inputs, not for the device kernels
+        out = self.pool.compute(self.x, self.weights, self.ids, rows)
+        if self.device.type == "cpu":
+            return out.to(self.dtype)
+        # Converted on the host and uploaded from pinned memory; the caching host allocator keeps the buffer
+        # until the copy queued on the stage's stream has run.
+        return _to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
+
+
+def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
+    """A pinned host copy of `t` (queued, not waited for, when `t` is on a GPU)."""
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=not copy_on_host)
+    return buf
+
+
+def stage_pools(offloaded: dict[int, Tensors], num_experts: int) -> dict[int, ExpertPool]:
+    """The pools of a stage's layers that keep some experts in host RAM (`StageWeights.offloaded`)."""
+    return {i: ExpertPool(t, num_experts) for i, t in offloaded.items()}

@@ -1,0 +1,274 @@
+"""The CPU expert pool: budgets below a stage's experts keep a resident set on the device and compute the other
+(row, expert) pairs on the CPU. Real outputs against the all-resident engine and `transformers`, batched against
+solo, layer splits, trimming, the device tensors, the residency facts and the budget's refusals."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from strata.config import EngineSettings
+from strata.errors import StrataError
+from strata.experts.budget import check_expert_budget
+from strata.experts.residency import expert_bytes, residency_by_device
+from strata.model.loader import ModelFiles
+from strata.model.random_weights import random_stage_weights
+from strata.runtime.generate import Engine
+from strata.runtime.scheduler import Scheduler
+from tests.tiny_models import VOCAB, build
+
+NEW = 24
+PROMPTS = [[(i * 37 + j * 11 + 5) % VOCAB for j in range(5 + 6 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe-gqa4", "qwen3_moe-mixed-dense", "qwen3_next"])
+def model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    ref = build(request.param, folder)
+    files = ModelFiles.open(folder)
+    full = Engine(files, max_cells=256)
+    return SimpleNamespace(name=request.param, ref=ref, files=files, spec=files.spec, full=full,
+                           solo=[full.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS])
+
+
+def budget_gb(spec, layers: range, per_layer: int) -> float:
+    """The float32 budget that keeps `per_layer` experts of each MoE layer of `layers` resident."""
+    moe = [i for i in layers if spec.layers[i].mlp == "moe"]
+    return (len(moe) * per_layer + 0.5) * expert_bytes(spec, 4) / 1e9
+
+
+def half(spec, layers: range | None = None) -> float:
+    return budget_gb(spec, layers or range(spec.num_layers), spec.moe.num_experts // 2)
+
+
+def pools(engine: Engine) -> dict:
+    return {i: p for s in engine.stages for i, p in s.forward.pools.items()}
+
+
+def batched(engine: Engine, n: int = 8) -> list[list[int]]:
+    """n conversations decoded together through the engine process's scheduler (pipelined with groups)."""
+    out: list[str] = []
+    sched = Scheduler(engine, n, out.append)
+    for i in range(n):
+        sched.handle(f"BGEN {i} {NEW} ignore_eos=1 " + " ".join(map(str, PROMPTS[i])))
+    while sched.busy:
+        sched.step()
+    return [[int(line.split()[2]) for line in out if line.startswith(f"BT {i} ")] for i in range(n)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def every_logit(engine: Engine, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """The logits at every position: the prompt in one window, then one decode window per answer token."""
+    state = engine.new_state()
+    return torch.cat([engine.run(state, prompt, all_logits=True)] + [engine.run(state, [t]) for t in answer[:-1]])
+
+
+def test_half_resident_logits_match_all_resident_and_transformers(model):
+    pooled = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)])
+    assert pooled.expert_residency() == {"cpu": 0.5}
+    prompt, answer = PROMPTS[2], model.solo[2]
+    ours = every_logit(pooled, prompt, answer)
+    assert rel_err(ours, every_logit(model.full, prompt, answer)) < 1e-5
+    with torch.no_grad():
+        theirs = model.ref(input_ids=torch.tensor([prompt + answer])).logits[0, : len(prompt) + len(answer) - 1].float()
+    assert rel_err(ours, theirs) < 1e-4
+    counts = [(p.pairs_here, p.pairs_total) for p in pools(pooled).values()]
+    assert counts and all(0 < here < total for here, total in counts), "both the device and the CPU computed pairs"
+
+
+def test_half_resident_greedy_tokens_equal_all_resident(model):
+    pooled = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)])
+    for i in (0, 3, 5):
+        assert pooled.generate(PROMPTS[i], NEW, stop_ids=frozenset()).ids == model.solo[i]
+
+
+def test_batched_equals_solo_with_the_pool(model):
+    """8 slots decoded together, each row's CPU pairs computed beside 7 others: the solo tokens, and the solo logits
+    bit for bit."""
+    pooled = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)])
+    solo = [pooled.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
+    assert solo == model.solo
+    assert batched(pooled) == solo
+    alone = pooled.init_slots(1)
+    alone.admit(0, PROMPTS[4], 4)
+    together = pooled.init_slots(8)
+    for slot in range(8):
+        together.admit(slot, PROMPTS[(slot + 4) % 8], 4)
+    assert torch.equal(together.run_slots().logits[0], alone.run_slots().logits[0])
+
+
+def test_budget_zero_keeps_every_expert_in_host_ram(model):
+    zero = Engine(model.files, max_cells=256, expert_budget_gb=[0])
+    assert zero.expert_residency() == {"cpu": 0.0}
+    for i, w in zero.stages[0].weights.layers.items():
+        if model.spec.layers[i].mlp == "moe":
+            assert w["experts_gate_up"].shape[0] == 0 and w["experts_down"].shape[0] == 0
+            assert zero.stages[0].weights.offloaded[i]["ids"].tolist() == list(range(model.spec.moe.num_experts))
+    assert zero.generate(PROMPTS[1], NEW, stop_ids=frozenset()).ids == model.solo[1]
+    assert batched(zero, 3) == model.solo[:3]
+
+
+@pytest.mark.parametrize(("split", "groups", "trim"), [("2,2", 1, True), ("2,2", 2, False), ("1,1,2", 1, True)])
+def test_layer_split_with_a_pool_per_stage(model, split, groups, trim):
+    """Each stage gets its own budget: here the first keeps half its experts, the last all of them (no pool), a
+    middle one none; tokens equal the one-stage, all-resident engine, solo and batched (pipelined with groups)."""
+    spec = model.spec
+    counts = [int(c) for c in split.split(",")]
+    ranges = [range(sum(counts[:k]), sum(counts[: k + 1])) for k in range(len(counts))]
+    wanted = [spec.moe.num_experts // 2] + [0] * (len(counts) - 2) + [spec.moe.num_experts]
+    budgets = [budget_gb(spec, r, n) for r, n in zip(ranges, wanted)]
+    engine = Engine(model.files, max_cells=256, layer_split=split, batch_groups=groups, trim_stage_weights=trim,
+                    expert_budget_gb=budgets)
+    for stage, r, n in zip(engine.stages, ranges, wanted):
+        moe = [i for i in r if spec.layers[i].mlp == "moe"]
+        assert sorted(stage.forward.pools) == (moe if n < spec.moe.num_experts else [])
+        assert sorted(stage.weights.offloaded) == sorted(stage.forward.pools)
+        assert all(name not in layer for layer in stage.weights.held.values()
+                   for name in ("experts_gate_up", "expert_slot"))
+    assert engine.generate(PROMPTS[0], NEW, stop_ids=frozenset()).ids == model.solo[0]
+    assert batched(engine, 4) == model.solo[:4]
+
+
+def test_device_holds_only_the_resident_experts(model):
+    spec, e = model.spec, model.spec.moe.num_experts
+    m = e // 2
+    pooled = Engine(model.files, max_cells=64, expert_budget_gb=[half(spec)])
+    full_w, pooled_w = model.full.stages[0].weights, pooled.stages[0].weights
+    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
+    for i in moe:
+        w, host = pooled_w.layers[i], pooled_w.offloaded[i]
+        assert torch.equal(w["experts_gate_up"], full_w.layers[i]["experts_gate_up"][:m])  # the lowest ids stay
+        assert torch.equal(w["experts_down"], full_w.layers[i]["experts_down"][:m])
+        assert w["expert_slot"].tolist() == list(range(m)) + [m] * (e - m)
+        assert host["ids"].tolist() == list(range(m, e))
+        assert torch.equal(host["gate_up"], full_w.layers[i]["experts_gate_up"][m:])
+        assert torch.equal(host["down"], full_w.layers[i]["experts_down"][m:])
+    slot_bytes, ids_bytes = 4 * e * len(moe), 8 * (e - m) * len(moe)  # the int32 slot maps, the int64 host ids
+    assert full_w.nbytes() - pooled_w.nbytes() == pooled_w.host_nbytes() - ids_bytes - slot_bytes
+    assert pooled_w.host_nbytes() - ids_bytes == len(moe) * (e - m) * expert_bytes(spec, 4)
+
+
+def test_loading_never_puts_the_other_experts_on_the_device(model):
+    """Loaded onto the `meta` device (no data: it stands for a GPU here), a stage's device tensors hold the resident
+    experts only, and the others were read into host RAM."""
+    spec, e = model.spec, model.spec.moe.num_experts
+    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
+    w = model.files.load(torch.device("meta"), torch.float32, resident={i: (1, 4) for i in moe})
+    for i in moe:
+        assert w.layers[i]["experts_gate_up"].device.type == "meta"
+        assert w.layers[i]["experts_gate_up"].shape[0] == 2 and w.layers[i]["experts_down"].shape[0] == 2
+        assert w.offloaded[i]["gate_up"].device.type == "cpu" and w.offloaded[i]["gate_up"].shape[0] == e - 2
+        assert w.offloaded[i]["ids"].tolist() == [x for x in range(e) if x not in (1, 4)]
+
+
+def test_residency_facts(model, tmp_path):
+    pooled = Engine(model.files, max_cells=64, expert_budget_gb=[half(model.spec)])
+    assert Scheduler(pooled, 0, lambda line: None).facts()["expert_residency"] == {"cpu": 0.5}
+    assert Scheduler(model.full, 0, lambda line: None).facts()["expert_residency"] == {"cpu": 1.0}
+    build("llama-gqa-tied", tmp_path)
+    dense = Engine(ModelFiles.open(tmp_path), max_cells=64, expert_budget_gb=[0])  # no routed experts: nothing missing
+    assert dense.expert_residency() == {"cpu": 1.0}
+
+
+def test_residency_per_device_combines_the_stages_of_a_device(model):
+    spec, e = model.spec, model.spec.moe.num_experts
+    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
+    layer = lambda n: {"experts_gate_up": torch.empty(n, 1, 1)}  # noqa: E731
+    stages = [SimpleNamespace(device=torch.device("cuda", 0), weights=SimpleNamespace(layers={moe[0]: layer(e)})),
+              SimpleNamespace(device=torch.device("cuda", 0), weights=SimpleNamespace(layers={moe[1]: layer(0)})),
+              SimpleNamespace(device=torch.device("cuda", 1), weights=SimpleNamespace(layers={moe[1]: layer(e // 2)})),
+              SimpleNamespace(device=torch.device("cuda", 2), weights=SimpleNamespace(layers={}))]
+    assert residency_by_device(spec, stages) == {"cuda:0": 0.5, "cuda:1": 0.5, "cuda:2": 1.0}
+
+
+def test_budget_checks_and_log(model, caplog):
+    spec = model.spec
+    plan = [(range(0, 2), torch.device("cuda", 0)), (range(2, 4), torch.device("cuda", 1))]
+    with pytest.raises(StrataError, match="3 values for 2 stage"):
+        check_expert_budget(spec, plan, [1, 1, 1], 4)
+    with pytest.raises(StrataError, match="-1.0: a budget is a number of GB, 0 or more"):
+        check_expert_budget(spec, plan, [1.0, -1.0], 4)
+    with pytest.raises(StrataError, match="nan"):
+        check_expert_budget(spec, plan, [float("nan")], 4)
+    with pytest.raises(StrataError, match="in host RAM for the CPU pool, but the host has 0.0 GB available"):
+        check_expert_budget(spec, plan, [0], 4, host_available=1000)
+    assert not any(r.pooled for r in check_expert_budget(spec, plan, None, 4))
+    assert not any(r.pooled for r in check_expert_budget(spec, plan, [1.0], 4, host_available=1000))
+    with caplog.at_level(logging.INFO, logger="strata.engine"):
+        (res,) = check_expert_budget(spec, [(range(spec.num_layers), torch.device("cpu"))], [half(spec)], 4)
+    e = spec.moe.num_experts
+    assert res.pooled and res.per_layer == e // 2 and res.fraction == 0.5
+    assert f"{e // 2} of {e} routed experts resident in each of its {len(res.resident)} MoE layers" in caplog.text
+    assert "GB in host RAM for the CPU pool" in caplog.text
+    with pytest.raises(StrataError, match="--expert-budget-gb"):
+        Engine(model.files, max_cells=64, expert_budget_gb=[-2])
+
+
+def test_cpu_threads_set_the_pool_threads_and_reach_the_engine(model):
+    before = torch.get_num_threads()
+    try:
+        Engine(model.files, max_cells=64, expert_budget_gb=[half(model.spec)], cpu_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    Engine(model.files, max_cells=64, cpu_threads=1)  # no pool: the threads are left alone
+    assert torch.get_num_threads() == before
+    options = EngineSettings(expert_budget_gb="10,12", cpu_threads=3).stage_options()
+    assert options["expert_budget_gb"] == [10.0, 12.0] and options["cpu_threads"] == 3
+
+
+def test_given_and_random_weights_are_split_too(model):
+    spec = model.spec
+    weights = random_stage_weights(spec, range(spec.num_layers), torch.device("cpu"), torch.float32)
+    before = {i: w["experts_gate_up"].shape[0] for i, w in weights.layers.items() if "experts_gate_up" in w}
+    given = Engine(None, spec=spec, weights=weights, max_cells=64, expert_budget_gb=[half(spec)])
+    factory = Engine(None, spec=spec, max_cells=64, expert_budget_gb=[half(spec, range(2))], layer_split="2,2",
+                     trim_stage_weights=True,
+                     weights=lambda layers, device, trim: random_stage_weights(spec, layers, device, torch.float32))
+    assert given.expert_residency() == {"cpu": 0.5} and factory.expert_residency() == {"cpu": 0.5}
+    assert {i: w["experts_gate_up"].shape[0] for i, w in weights.layers.items() if "experts_gate_up" in w} == before
+    whole = Engine(None, spec=spec, weights=weights, max_cells=64)
+    ids = PROMPTS[1]
+    assert rel_err(given.run(given.new_state(), ids), whole.run(whole.new_state(), ids)) < 1e-5
+
+
+# the Triton path (under Triton's interpreter here)
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe-mixed-dense"])
+def triton_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param, folder)
+    files = ModelFiles.open(folder)
+    return files, Engine(files, max_cells=128, kernels="torch")
+
+
+def test_triton_path_with_the_pool(triton_model):
+    files, reference = triton_model
+    spec = files.spec
+    fast = Engine(files, max_cells=128, kernels="triton", expert_budget_gb=[half(spec)])
+    assert pools(fast) and all(s.forward.fast.pools is s.forward.pools for s in fast.stages)
+    ids = PROMPTS[2]
+    want = reference.generate(ids, 6, stop_ids=frozenset()).ids
+    assert fast.generate(ids, 6, stop_ids=frozenset()).ids == want
+    # decode windows of slots run TritonDecode: rows bitwise the same alone or batched
+    alone = fast.init_slots(1)
+    alone.admit(0, PROMPTS[1], 4)
+    solo = alone.run_slots().logits[0]
+    together = fast.init_slots(3)
+    for slot, i in ((0, 0), (1, 1), (2, 3)):
+        together.admit(slot, PROMPTS[i], 4)
+    logits = together.run_slots().logits
+    assert torch.equal(logits[1], solo)
+    state = reference.new_state()
+    reference.run(state, PROMPTS[1])
+    assert rel_err(solo, reference.run(state, [alone.slots[0].next_token])[0]) < 1e-4
+    split = Engine(files, max_cells=128, kernels="triton", layer_split="2,2", batch_groups=2,
+                   expert_budget_gb=[half(spec, range(0, 2)), 0])
+    assert [bool(s.forward.pools) for s in split.stages] == [True, True]
+    assert split.generate(ids, 6, stop_ids=frozenset()).ids == want
