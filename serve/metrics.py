@@ -8,6 +8,7 @@ so its Grafana dashboards work unchanged.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -156,6 +157,19 @@ class _GpuUtil:
         return used, total
 
 
+def gpu_label(device: str) -> str:
+    """The `gpu` label of an engine device: NVML's index for "cuda:N", like strata:gpu_util's (the N-th entry of
+    CUDA_VISIBLE_DEVICES when it lists indices; CUDA numbers GPUs as NVML does under CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    which autoconfig sets), or the device itself ("cpu")."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        return device
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if all(v.isdigit() for v in visible) and int(index) < len(visible):
+        return visible[int(index)]
+    return index
+
+
 class _StrataCollector(Collector):
     """`strata:<key>` gauges computed from facts() at scrape time."""
 
@@ -176,6 +190,12 @@ class _StrataCollector(Collector):
             for gpu, value in facts[key].items():
                 family.add_metric(labels + [gpu], value)
             yield family
+        family = GaugeMetricFamily("strata:expert_residency", "Share of the routed experts held on each device "
+                                   "(1: all, or no routed experts); the CPU pool computes the rest",
+                                   labels=["model_name", "engine", "gpu"])
+        for device, value in (facts["engine_facts"].get("expert_residency") or {}).items():
+            family.add_metric(labels + [gpu_label(device)], float(value))
+        yield family
 
 
 class Metrics:
