@@ -41,7 +41,8 @@ def build_engine(model: str, settings: dict[str, Any]):
 
     s = EngineSettings(**{**settings, "model": model})
     accepted = inspect.signature(Engine.__init__).parameters
-    extra = {k: getattr(s, k) for k in SPLIT_KEYS if getattr(s, k) not in (None, False)}
+    options = s.stage_options()  # as `strata serve` passes them (e.g. expert_budget_gb "10,12" -> [10.0, 12.0])
+    extra = {k: options.get(k, getattr(s, k)) for k in SPLIT_KEYS if getattr(s, k) not in (None, False)}
     missing = [k for k in extra if k not in accepted]
     if missing:
         raise Unmeasurable(f"this build's engine takes no {', '.join('--' + k.replace('_', '-') for k in missing)}")

@@ -272,3 +272,17 @@ def test_triton_path_with_the_pool(triton_model):
                    expert_budget_gb=[half(spec, range(0, 2)), 0])
     assert [bool(s.forward.pools) for s in split.stages] == [True, True]
     assert split.generate(ids, 6, stop_ids=frozenset()).ids == want
+
+
+def test_calibration_builds_an_engine_with_the_pool(model, tmp_path):
+    """autoconfig's --calibrate passes the proposal's split settings as `strata serve` does."""
+    from autoconfig.calibrate import build_engine
+
+    before = torch.get_num_threads()
+    try:
+        engine = build_engine(str(model.files.checkpoint.path), {"device": "cpu", "dtype": "float32", "max_cells": 64,
+                                                                  "expert_budget_gb": f"{half(model.spec):.9f}",
+                                                                  "cpu_threads": 1})
+    finally:
+        torch.set_num_threads(before)
+    assert engine.expert_residency() == {"cpu": 0.5}
