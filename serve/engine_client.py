@@ -47,6 +47,7 @@ class Job:
     moving: bool = False  # STOPped on the solo path to continue in a slot
     abandoned: bool = False
     admitted: bool = False  # BADM 1 seen (or GEN's first token)
+    queried: int = 0  # prompt tokens of the GEN / BGEN sent for it: the prefix-cache lookup the engine answers
     refusal: str | None = None  # the engine's ERR reason, when it refused the job
     final_reason: str | None = None  # what the metrics record when the server ended the job itself
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -156,7 +157,7 @@ class EngineClient:
         job.where = "solo"
         self.solo = job
         self.metrics.scheduled(job.record, time.monotonic())
-        self.metrics.prefix_cache(len(job.request.ids), 0)
+        job.queried = len(job.request.ids)
         self._pending.append(job)
         self._send("GEN " + protocol.format_request(job.request))
         self._update_load()
@@ -168,11 +169,9 @@ class EngineClient:
         if resume:
             request = Request(request.max_new, request.params, request.stop_ids, request.ignore_eos,
                               request.ids + resume, len(resume))
-            # the engine reuses the stopped solo session: all but the last token come from it
-            self.metrics.prefix_cache(len(request.ids), len(request.ids) - 1)
         else:
             self.metrics.scheduled(job.record, time.monotonic())
-            self.metrics.prefix_cache(len(request.ids), 0)
+        job.queried = len(request.ids)
         self._pending.append(job)
         self._send(f"BGEN {slot} " + protocol.format_request(request))
 
@@ -186,6 +185,7 @@ class EngineClient:
         if kind == "READY":
             self.facts = json.loads(line.split(" ", 1)[1])
             self.metrics.set_engine_facts(self.facts)
+            self.metrics.set_parked(0, 0)  # a new engine process holds no parked conversation
             self.ready.set()
             self._schedule()
         elif kind == "T" and self.solo is not None:
@@ -193,6 +193,7 @@ class EngineClient:
             self._token(self.solo, int(words[1]))
         elif kind == "DONE" and self.solo is not None:
             self._ack(self.solo)
+            self.metrics.prefix_cache(self.solo.queried, _field(words, 4))
             self._solo_done(self.solo, words[1])
         elif kind == "BADM":
             job = self.slots[int(words[1])]
@@ -200,6 +201,7 @@ class EngineClient:
                 self._ack(job)
                 if words[2] == "1":
                     job.admitted = True
+                    self.metrics.prefix_cache(job.queried, _field(words, 3))
                     if job.abandoned:
                         self._send(f"BSTOP {job.slot}")
                 else:
@@ -217,6 +219,8 @@ class EngineClient:
             if job is not None:
                 self._finish(job, words[2])
             self._schedule()
+        elif kind == "PARKED":
+            self.metrics.set_parked(_field(words, 1), _field(words, 2))
         elif kind == "ERR":
             log.warning("engine: %s", line)
             job = self._pending.popleft() if self._pending else None
@@ -272,6 +276,11 @@ class EngineClient:
         held = sum(len(j.request.ids) + len(j.generated) for j in running)
         capacity = max(1, self.facts.get("max_cells", 1) * max(1, self.num_slots))
         self.metrics.set_load(len(running), len(self.waiting), sum(j is not None for j in self.slots), held / capacity)
+
+
+def _field(words: list[str], index: int) -> int:
+    """An event's numeric field; 0 when an older engine does not send it."""
+    return int(words[index]) if len(words) > index else 0
 
 
 def engine_argv(settings) -> list[str]:

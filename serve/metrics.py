@@ -74,7 +74,8 @@ VLLM_METRICS = (
 # top-level numeric JSON keys exported as `strata:<key>` gauges
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
-                 "kv_cache_usage", "engine_restarts_total", "pipeline_groups")
+                 "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations",
+                 "parked_bytes")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -218,6 +219,7 @@ class Metrics:
         self._running = self._waiting = 0
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
+        self._parked = (0, 0)  # conversations parked in the engine's host RAM, their bytes
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._token_events: deque[list] = deque()  # [monotonic time, tokens] for live_tok_s
@@ -357,6 +359,11 @@ class Metrics:
             self._vllm["kv_cache_usage_perc"].set(kv_cache_usage)
             self._vllm["gpu_cache_usage_perc"].set(kv_cache_usage)
 
+    def set_parked(self, conversations: int, nbytes: int) -> None:
+        """The engine's parked conversations and the host RAM they take (its PARKED event)."""
+        with self._lock:
+            self._parked = (conversations, nbytes)
+
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Increments (tokens looked up, tokens found) since the last call, not running totals."""
         for prefix in ("", "gpu_"):
@@ -394,6 +401,8 @@ class Metrics:
                 "kv_cache_usage": self._kv_cache_usage,
                 "engine_restarts_total": self._engine_restarts,
                 "pipeline_groups": int(self._engine_facts.get("batch_groups", 0) or 0),
+                "parked_conversations": self._parked[0],
+                "parked_bytes": self._parked[1],
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),

@@ -77,7 +77,7 @@ def run_engine(s: EngineSettings) -> None:
     from strata.runtime.scheduler import Scheduler
 
     engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
+                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs, park_gb=s.park_gb,
                     **s.stage_options())
     pipe = Pipe(sys.stdin, sys.stdout)
     pipe.serve(Scheduler(engine, s.batch, pipe.emit))

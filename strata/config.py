@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -84,6 +85,19 @@ class EngineSettings(StrataSettings):
         None, description="GB of routed experts each card keeps resident, per stage (e.g. 10,10,12,12)"
     )
     cpu_threads: int | None = Field(None, ge=1, description="threads of the CPU pool that computes offloaded experts")
+    park_gb: float | None = Field(
+        None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
+    )
+
+    @field_validator("park_gb")
+    @classmethod
+    def _park_gb_fits(cls, value: float | None) -> float | None:
+        from strata.state.parking import park_gb_problem
+
+        problem = None if value is None else park_gb_problem(value)
+        if problem:
+            raise PydanticCustomError("park_gb", problem)
+        return value
 
     def torch_device(self) -> torch.device:
         try:

@@ -151,12 +151,14 @@ def token(token_id: int) -> str:
     return f"T {token_id}"
 
 
-def done(reason: str, num_prompt: int, num_generated: int) -> str:
-    return f"DONE {reason} {num_prompt} {num_generated}"
+def done(reason: str, num_prompt: int, num_generated: int, num_reused: int = 0) -> str:
+    """`num_reused`: prompt tokens taken from a held or parked state instead of being read."""
+    return f"DONE {reason} {num_prompt} {num_generated} {num_reused}"
 
 
-def badm(slot: int, admitted: bool) -> str:
-    return f"BADM {slot} {int(admitted)}"
+def badm(slot: int, admitted: bool, num_reused: int = 0) -> str:
+    """An admission (with the prompt tokens it took from a held or parked state), or a refusal."""
+    return f"BADM {slot} 1 {num_reused}" if admitted else f"BADM {slot} 0"
 
 
 def btoken(slot: int, token_id: int) -> str:
@@ -165,6 +167,10 @@ def btoken(slot: int, token_id: int) -> str:
 
 def bdone(slot: int, reason: str, num_prompt: int, num_generated: int) -> str:
     return f"BDONE {slot} {reason} {num_prompt} {num_generated}"
+
+
+def parked(conversations: int, num_bytes: int) -> str:
+    return f"PARKED {conversations} {num_bytes}"
 
 
 def err(reason: str) -> str:

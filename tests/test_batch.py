@@ -134,7 +134,7 @@ def test_a_solo_run_moved_into_a_slot_continues_exactly(engine, params):
         sched.step()
     sched.handle("STOP")
     solo = [int(line.split()[1]) for line in out if line.startswith("T ")]
-    assert out[-1] == f"DONE abort {len(prompt(4))} {len(solo)}"
+    assert out[-1] == f"DONE abort {len(prompt(4))} {len(solo)} 0"
     moved = protocol.Request(60, params, frozenset(), True, prompt(4) + solo, resume=len(solo))
     sched.handle(f"BGEN 1 {protocol.format_request(moved)}")
     assert sched.slots.reused == len(prompt(4)) + len(solo) - 1  # only the last token was read again

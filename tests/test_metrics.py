@@ -83,6 +83,7 @@ def _three_requests() -> tuple[Metrics, list[RequestRecord]]:
     m.finished(c, "stop", t0 + 1.60)  # a second finish of the same request is ignored
     m.preempted()
     m.prefix_cache(queries=49, hits=16)
+    m.set_parked(conversations=2, nbytes=3_000_000)  # the engine's PARKED event
     m.spec_decode(drafts=1, draft_tokens=2, accepted=2)
     m.set_load(running=0, waiting=0, slots_in_use=0, kv_cache_usage=0.0)
     return m, [a, b, c]
@@ -206,13 +207,15 @@ def test_strata_facts_in_the_scrape(samples, three):
     m, _ = three
     facts = m.facts()
     for key in ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running", "requests_waiting",
-                "requests_total", "prompt_tokens_total", "generation_tokens_total", "kv_cache_usage"):
+                "requests_total", "prompt_tokens_total", "generation_tokens_total", "kv_cache_usage",
+                "parked_conversations", "parked_bytes"):
         (s,) = samples[f"strata:{key}"]
         assert s.labels["model_name"] == MODEL
         if key not in ("live_tok_s", "uptime_s"):
             assert s.value == facts[key], key
     assert _value(samples, "strata:requests_total") == 3
     assert _value(samples, "strata:slots_total") == 4
+    assert _value(samples, "strata:parked_conversations") == 2 and _value(samples, "strata:parked_bytes") == 3e6
     for s in samples.get("strata:gpu_util", []):
         assert {"gpu", "model_name"} <= set(s.labels)
 
@@ -224,10 +227,12 @@ def test_json_facts(three):
     assert set(facts) == {
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
-        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "gpu_util", "gpu_memory_used_bytes",
+        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes",
+        "gpu_util", "gpu_memory_used_bytes",
         "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"
     assert facts["engine_restarts_total"] == 0
+    assert facts["parked_conversations"] == 2 and facts["parked_bytes"] == 3_000_000
     m.engine_restarted()
     assert m.facts()["engine_restarts_total"] == 1
     assert facts["requests_total"] == 3

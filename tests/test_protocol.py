@@ -80,7 +80,7 @@ def engine(model):
 def test_solo_generation_streams_tokens_then_done(engine, reference):
     engine.send("GEN 20 ignore_eos=1 1 2 3 4")
     lines = engine.read_until(lambda line: line.startswith("DONE"))
-    assert lines[-1] == "DONE length 4 20"
+    assert lines[-1] == "DONE length 4 20 0"  # nothing held to reuse: all 4 prompt tokens read
     assert tokens(lines, "T") == reference([1, 2, 3, 4], 20)
     assert engine.close() == 0
 
@@ -88,7 +88,7 @@ def test_solo_generation_streams_tokens_then_done(engine, reference):
 def test_slots_admitted_at_staggered_times_equal_solo(engine, reference):
     engine.send("BGEN 0 40 ignore_eos=1 5 6 7")
     first = engine.read_until(lambda line: line.startswith("BADM 0"))
-    assert first[-1] == "BADM 0 1"
+    assert first[-1] == "BADM 0 1 0"
     engine.send("BGEN 2 30 ignore_eos=1 9 8 7 6 5")  # joins while slot 0 is mid-flight
     seen: set[str] = set()
     lines = first + engine.read_until(lambda line: line.startswith("BDONE") and seen.add(line[:7]) is None and len(seen) == 2)
@@ -120,7 +120,7 @@ def test_stop_the_solo_generation(engine):
 
 def test_bad_input_answers_err_and_the_engine_carries_on(engine, reference):
     engine.send("BGEN 0 200 ignore_eos=1 5 6 7")
-    engine.read_until(lambda line: line == "BADM 0 1")
+    engine.read_until(lambda line: line == "BADM 0 1 0")
     bad = [
         ("HELLO", "unknown command"),
         ("BGEN x 5 1 2", "slot 'x' is not an integer"),

@@ -96,6 +96,27 @@ def test_seeds_reproduce_sampled_answers(client):
     assert complete(client, PROMPTS[2], **kw) == complete(client, PROMPTS[2], **kw)
 
 
+def test_a_second_turn_reuses_the_parked_first_and_the_metrics_show_it(server, client):
+    chat = lambda messages: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,  # noqa: E731
+                                                            temperature=0)
+    history = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    first = chat(history)
+    chat([{"role": "user", "content": "Count to three."}])  # takes the solo session: the first chat is parked
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And a red one?"}]
+    before = scrape(server)
+    second = chat(history)
+    after = scrape(server)
+    delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    assert delta("vllm:prefix_cache_queries_total{}") == second.usage.prompt_tokens
+    hits = delta("vllm:prefix_cache_hits_total{}")
+    assert first.usage.prompt_tokens <= hits < second.usage.prompt_tokens  # only the new turn was read
+    assert delta("vllm:gpu_prefix_cache_hits_total{}") == hits
+    assert after["strata:parked_conversations{}"] >= 1 and after["strata:parked_bytes{}"] > 0  # "Count to three."
+    facts = httpx.get(server.url + "/metrics").json()
+    assert facts["parked_conversations"] >= 1 and facts["parked_bytes"] > 0
+
+
 async def _concurrently(server, prompts, **kw):
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     kw = {"max_tokens": 40, "temperature": 0, **kw}

@@ -18,6 +18,7 @@ from strata.runtime.forward import Forward
 from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams, sample, token_counts
 from strata.runtime.window import Window
+from strata.state.parking import ParkingLot, park_budget, reuse_prefix
 from strata.state.session import SessionState, StatePool
 
 
@@ -35,8 +36,10 @@ class Engine:
                  max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
-                 trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None):
-        """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`."""
+                 trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
+                 park_gb: float | None = None):
+        """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
+        `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off)."""
         self.files = files
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
@@ -44,6 +47,7 @@ class Engine:
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
         self.batch_groups = batch_groups
+        self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
@@ -101,6 +105,11 @@ class Engine:
         return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype,
                          self.layer_devices)
 
+    def reuse(self, state: SessionState, prompt_ids: list[int], idle: list[SessionState] = ()) -> int:
+        """Before reading `prompt_ids` into `state`: keep the longest reusable prefix of it that `state`, an `idle`
+        sequence or a parked conversation holds (parking what `state` held otherwise); return its length."""
+        return reuse_prefix(state, prompt_ids, idle, self.parking)
+
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise StrataError("the prompt is empty: give at least one token")
@@ -126,15 +135,16 @@ class Engine:
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                stop_ids: frozenset[int] | None = None, state: SessionState | None = None) -> Iterator[tuple[int, str | None]]:
-        """Yield (token, finish_reason) pairs; finish_reason is None until the last token. `state` is reused when given."""
+        """Yield (token, finish_reason) pairs; finish_reason is None until the last token. `state`: the sequence to
+        use (a new one when None); a strict prefix of the prompt that it holds (see `reuse`) is not read again."""
         self.check_prompt(prompt_ids)
         params.validate()
         stops = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer else (stop_ids or frozenset())
         if state is None:
             state = self.new_state()
-        else:
-            state.reset()
-        logits = self.run(state, prompt_ids)
+        elif state.length >= len(prompt_ids) or state.tokens != prompt_ids[: state.length]:
+            state.reset()  # it holds another conversation
+        logits = self.run(state, prompt_ids[state.length :])
         history = list(prompt_ids)
         for n in range(max_new_tokens):
             token = self._sample(logits[-1:], params, state.length, history, len(prompt_ids))

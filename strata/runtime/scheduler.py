@@ -27,7 +27,8 @@ class Scheduler:
         self.slots = engine.init_slots(num_slots) if num_slots else None
         self.emit = emit
         self._solo: Iterator[tuple[int, str | None]] | None = None
-        self._solo_counts = (0, 0)  # prompt tokens, generated tokens
+        self._solo_counts = (0, 0, 0)  # prompt tokens, generated tokens, prompt tokens reused
+        self._parked = (0, 0)  # the conversations and bytes the last PARKED event reported
         self._solo_state = engine.new_state()
         self._in_flight: dict[int, SlotWindow] = {}  # group -> its launched window (pipelined groups)
 
@@ -70,7 +71,19 @@ class Scheduler:
             self.emit(protocol.err(f"internal error: {type(e).__name__}: {e}"))
             if isinstance(command, BGen):
                 self.emit(protocol.badm(command.slot, False))
+        self._report_parking()
         return True
+
+    def _report_parking(self) -> None:
+        """Say PARKED when the parked conversations or their bytes changed (admissions park and unpark them)."""
+        lot = self.engine.parking
+        if (lot.conversations, lot.nbytes) != self._parked:
+            self._parked = (lot.conversations, lot.nbytes)
+            self.emit(protocol.parked(*self._parked))
+
+    def _idle_slot_states(self) -> list:
+        """The idle slots' sequences: a solo run may copy a prefix from them."""
+        return [s.state for s in self.slots.slots if not s.active] if self.slots else []
 
     def step(self) -> None:
         if self._solo is not None:
@@ -114,23 +127,25 @@ class Scheduler:
             raise StrataError("a solo generation is already running; send STOP and wait for its DONE first")
         self.engine.check_prompt(request.ids)
         request.params.validate()
-        self._solo_counts = (len(request.ids), 0)
+        self._solo_counts = (len(request.ids), 0, 0)
         if request.max_new == 0:
-            self.emit(protocol.done("length", len(request.ids), 0))
+            self.emit(protocol.done("length", len(request.ids), 0, 0))
             return
+        reused = self.engine.reuse(self._solo_state, request.ids, self._idle_slot_states())
+        self._solo_counts = (len(request.ids), 0, reused)
         self._solo = self.engine.stream(request.ids, request.max_new, request.params, self._stops(request),
                                         state=self._solo_state)
         self._advance_solo()  # reads the prompt and yields the first token
 
     def _advance_solo(self) -> None:
         token, reason = next(self._solo)
-        prompt, generated = self._solo_counts
-        self._solo_counts = (prompt, generated + 1)
+        prompt, generated, reused = self._solo_counts
+        self._solo_counts = (prompt, generated + 1, reused)
         self.emit(protocol.token(token))
         if reason is not None:
             self._solo.close()
             self._solo = None
-            self.emit(protocol.done(reason, prompt, generated + 1))
+            self.emit(protocol.done(reason, prompt, generated + 1, reused))
 
     def _stop_solo(self) -> None:
         if self._solo is None:
@@ -149,10 +164,9 @@ class Scheduler:
     def _admit(self, index: int, request: Request) -> None:
         slots = self._require_slots()
         self._drain()
-        prefix = self._solo_state if self._solo is None else None
-        event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request), prefix=prefix,
-                            resumed=request.resume)
-        self.emit(protocol.badm(index, True))
+        event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request),
+                            idle=[self._solo_state] if self._solo is None else [], resumed=request.resume)
+        self.emit(protocol.badm(index, True, slots.reused))
         self._emit_slot_events([event])
 
     def _stop_slot(self, index: int) -> None:

@@ -84,14 +84,15 @@ class Slots:
         return self.slots[index]
 
     def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-              stop_ids: frozenset[int] | None = None, prefix: SessionState | None = None, resumed: int = 0) -> Event:
+              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), resumed: int = 0) -> Event:
         """Read the prompt into the slot (the solo path's prompt window) and sample its first token.
 
-        When `prefix` (an idle sequence, e.g. the solo session just STOPped) holds a strict prefix of the prompt,
-        its state is copied and only the rest is read: a solo conversation moved into a slot continues exactly
-        as it would have alone (its last token is read by a one-row decode window). `resumed`: the last so many
-        prompt ids were generated earlier by this same request; they count as its output (for `max_new`, the
-        penalties and the reported counts)."""
+        The longest reusable prefix of the prompt that the slot itself, another idle slot, an `idle` sequence
+        (e.g. the solo session just STOPped) or a parked conversation holds is kept (`Engine.reuse`; what the slot
+        held otherwise is parked) and only the rest is read; `self.reused` counts the tokens kept. So a solo
+        conversation moved into a slot continues exactly as it would have alone (its last token is read by a
+        one-row decode window). `resumed`: the last so many prompt ids were generated earlier by this same
+        request; they count as its output (for `max_new`, the penalties and the reported counts)."""
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it (BSTOP) and wait for its BDONE first")
@@ -103,7 +104,6 @@ class Slots:
         params.validate()
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
-        slot.state.reset()
         num_prompt = len(prompt_ids) - resumed
         slot.params, slot.max_new, slot.num_prompt = params, max_new, num_prompt
         slot.generated = list(prompt_ids[num_prompt:])
@@ -116,12 +116,9 @@ class Slots:
             if resumed:
                 slot.counts.index_add_(0, torch.tensor(slot.generated, device=device),
                                        torch.ones(resumed, dtype=torch.int32, device=device))
-        rest = prompt_ids
-        if prefix is not None and 0 < prefix.length < len(prompt_ids) and prompt_ids[: prefix.length] == prefix.tokens:
-            slot.state.copy_from(prefix)
-            rest = prompt_ids[prefix.length :]
-        self.reused = len(prompt_ids) - len(rest)
-        logits = self.engine.run(slot.state, rest)
+        others = [s.state for s in self.slots if not s.active] + list(idle)
+        self.reused = self.engine.reuse(slot.state, prompt_ids, others)
+        logits = self.engine.run(slot.state, prompt_ids[self.reused :])
         slot.active = True
         return self._take(index, logits[-1:])[0]
 

@@ -78,17 +78,32 @@ class SessionState:
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()
 
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` positions (the cells past them are never read). A GDN state has absorbed
+        every token it holds, so with GDN layers only the whole length or 0 (a reset) can be kept."""
+        if length == self.length:
+            return
+        if length == 0:
+            self.reset()
+            return
+        if self.conv:
+            raise ValueError(f"a GDN state cannot be cut from {self.length} to {length} positions")
+        self.length, self.tokens = length, self.tokens[:length]
+
     @torch.inference_mode()
-    def copy_from(self, other: "SessionState") -> None:
-        """Become a copy of `other` (same layers): its committed K/V cells, GDN states and tokens."""
-        n = other.length
+    def copy_from(self, other: "SessionState", length: int | None = None) -> None:
+        """Become a copy of `other` (same layers): its first `length` committed K/V cells (all by default), GDN
+        states and tokens. A GDN state can only be copied whole."""
+        n = other.length if length is None else length
+        if self.conv and n != other.length:
+            raise ValueError(f"a GDN state cannot be cut: copy all {other.length} positions, not {n}")
         for i in self.k:
             self.k[i][:n] = other.k[i][:n]
             self.v[i][:n] = other.v[i][:n]
         for i in self.conv:
             self.conv[i].copy_(other.conv[i])
             self.recurrent[i].copy_(other.recurrent[i])
-        self.length, self.tokens = n, list(other.tokens)
+        self.length, self.tokens = n, other.tokens[:n]
 
     def nbytes(self) -> int:
         tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())

@@ -1,0 +1,248 @@
+"""Conversation parking: an idle conversation's state kept, so that its follow-up does not read its prompt again.
+
+When a slot (or the solo session) finishes, its state stays where it is, idle. When that sequence is given to
+another conversation, its old state is first *parked*: a `Snapshot` (its committed tokens, each attention
+layer's K/V cells [0, length), each GDN layer's conv and recurrent state) copied into host RAM, pinned when the
+state lives on a GPU so the copies run asynchronously. A `ParkingLot` keeps snapshots within a byte budget
+and evicts the least recently parked first.
+
+An admission keeps the longest reusable prefix of its prompt that the sequence itself, another idle sequence
+or a parked snapshot holds (`reuse_prefix`), and reads only the rest. What is reusable (`reusable`):
+
+- K/V cells can be cut anywhere (cells past `length` are never read), so a model with only attention layers
+  reuses the longest common prefix of the held tokens and the prompt;
+- a GDN state has absorbed every token it holds and cannot be cut, so a model with GDN layers reuses a state
+  only when all of its tokens are a prefix of the prompt;
+- at least one prompt token is always read: the logits of its last row give the first new token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import StrataError
+from strata.state.session import SessionState
+
+GB = 1e9
+DEFAULT_PARK_GB = 4.0  # the default budget, capped at a quarter of the host's RAM
+
+
+def host_ram_bytes() -> int | None:
+    """The host's physical memory, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def park_gb_problem(park_gb: float) -> str | None:
+    """What is wrong with a `--park-gb` value, None when nothing is."""
+    if not math.isfinite(park_gb) or park_gb < 0:
+        return "give the GB of host RAM for parked conversations, a number of 0 or more (0 turns parking off)"
+    ram = host_ram_bytes()
+    if ram is not None and park_gb * GB > ram:
+        return (f"this host has {ram / GB:.1f} GB of RAM in all, and the weights and the OS need their share; "
+                f"give a part of it (the default is {DEFAULT_PARK_GB:g}), or 0 to turn parking off")
+    return None
+
+
+def park_budget(park_gb: float | None) -> int:
+    """Bytes of host RAM that parked conversations may take: `park_gb` GB (0: parking off), or by default
+    4 GB, or a quarter of the host's RAM where that is less. Refuses a budget the host cannot hold."""
+    if park_gb is None:
+        ram = host_ram_bytes()
+        return int(min(DEFAULT_PARK_GB * GB, ram / 4)) if ram else int(DEFAULT_PARK_GB * GB)
+    problem = park_gb_problem(park_gb)
+    if problem:
+        raise StrataError(f"--park-gb {park_gb:g}: {problem}")
+    return int(park_gb * GB)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]; list slices compare in C
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def reusable(held: Sequence[int], prompt: Sequence[int], truncatable: bool) -> int:
+    """How many leading tokens of `prompt` a state holding the tokens `held` can serve, leaving at least one to
+    read: their common prefix when the state can be cut (attention layers only), else all of `held` when it is a
+    prefix of the prompt, else none."""
+    limit = len(prompt) - 1
+    if truncatable:
+        return min(common_prefix(held, prompt), max(limit, 0))
+    return len(held) if len(held) <= limit and list(prompt[: len(held)]) == list(held) else 0
+
+
+def snapshot_bytes(state: SessionState) -> int:
+    """The host bytes a snapshot of `state` takes: K/V cells [0, length) and the whole GDN states."""
+    n = state.length
+    cells = sum(t[:n].numel() * t.element_size() for t in (*state.k.values(), *state.v.values()))
+    gdn = sum(t.numel() * t.element_size() for t in (*state.conv.values(), *state.recurrent.values()))
+    return cells + gdn
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`: into pinned memory without waiting when `t` is on a GPU (see `Snapshot.wait`)."""
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@dataclass
+class Snapshot:
+    """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it)."""
+
+    tokens: list[int]
+    k: dict[int, torch.Tensor]  # [length, Hkv, D]
+    v: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]  # [K-1, C]
+    recurrent: dict[int, torch.Tensor]  # [Hv, Dk, Dv] float32
+    nbytes: int
+    copied: list = field(default_factory=list)  # CUDA events: the copies into host memory are done once they are
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, state: SessionState) -> "Snapshot":
+        """Copy `state`'s committed prefix to host memory (asynchronously from a GPU)."""
+        n = state.length
+        snap = cls(list(state.tokens), {i: _to_host(t[:n]) for i, t in state.k.items()},
+                   {i: _to_host(t[:n]) for i, t in state.v.items()},
+                   {i: _to_host(t) for i, t in state.conv.items()},
+                   {i: _to_host(t) for i, t in state.recurrent.items()}, snapshot_bytes(state))
+        devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            snap.copied.append(event)
+        return snap
+
+    def wait(self) -> None:
+        """Block until the copies into host memory are done (at once on the CPU)."""
+        for event in self.copied:
+            event.synchronize()
+        self.copied = []
+
+    @torch.inference_mode()
+    def restore(self, state: SessionState, length: int) -> None:
+        """Make `state` hold this conversation's first `length` positions (all of them with GDN layers)."""
+        if state.conv and length != self.length:
+            raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions, not {length}")
+        self.wait()
+        for i in state.k:
+            state.k[i][:length].copy_(self.k[i][:length], non_blocking=True)
+            state.v[i][:length].copy_(self.v[i][:length], non_blocking=True)
+        for i in state.conv:
+            state.conv[i].copy_(self.conv[i], non_blocking=True)
+            state.recurrent[i].copy_(self.recurrent[i], non_blocking=True)
+        state.length, state.tokens = length, self.tokens[:length]
+
+
+class ParkingLot:
+    """Parked conversations in host RAM, within `budget` bytes, the least recently parked evicted first.
+
+    `truncatable`: the model has attention layers only, so a state can be cut to any prefix (see `reusable`)."""
+
+    def __init__(self, budget: int, truncatable: bool):
+        if budget < 0:
+            raise StrataError(f"a parking budget of {budget} bytes: give 0 or more (0 turns parking off)")
+        self.budget, self.truncatable = budget, truncatable
+        self.nbytes = 0
+        self.evictions = 0  # snapshots dropped to make room
+        self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()  # least recently parked first
+        self._keys = itertools.count()
+
+    @property
+    def conversations(self) -> int:
+        return len(self._snapshots)
+
+    def park(self, state: SessionState) -> bool:
+        """Keep a snapshot of what `state` holds; False when it holds nothing or does not fit in the budget at all
+        (with a budget of 0: always). Snapshots that this one serves at least as well are dropped."""
+        size = snapshot_bytes(state)
+        if state.length == 0 or size > self.budget:
+            return False
+        for key, snap in list(self._snapshots.items()):
+            if self._covers(state.tokens, snap.tokens):
+                self._drop(key)
+        while self.nbytes + size > self.budget:
+            self._drop(next(iter(self._snapshots)))
+            self.evictions += 1
+        self._snapshots[next(self._keys)] = Snapshot.of(state)
+        self.nbytes += size
+        return True
+
+    def best(self, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
+        """The parked snapshot that serves the most leading tokens of `prompt`, and how many (0, None without one)."""
+        found, count = None, 0
+        for snap in self._snapshots.values():
+            n = reusable(snap.tokens, prompt, self.truncatable)
+            if n > count:
+                found, count = snap, n
+        return count, found
+
+    def take(self, snapshot: Snapshot) -> None:
+        """Unpark `snapshot`: its conversation goes back to a sequence (parked again when that one is reused)."""
+        for key, snap in self._snapshots.items():
+            if snap is snapshot:
+                self._drop(key)
+                return
+
+    def clear(self) -> None:
+        for key in list(self._snapshots):
+            self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        self.nbytes -= self._snapshots.pop(key).nbytes
+
+    def _covers(self, tokens: Sequence[int], other: Sequence[int]) -> bool:
+        """A state holding `tokens` serves every prompt at least as well as one holding `other`."""
+        if self.truncatable:
+            return len(other) <= len(tokens) and list(tokens[: len(other)]) == list(other)
+        return list(tokens) == list(other)
+
+
+@torch.inference_mode()
+def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[SessionState], lot: ParkingLot) -> int:
+    """Make `state` hold the longest reusable prefix of `prompt` found in itself, in an `idle` sequence (copied) or
+    in a parked snapshot (restored); return its length, the prompt tokens that need no reading. Whatever `state`
+    held that it does not keep is parked first (when the lot takes it)."""
+    count, source = reusable(state.tokens, prompt, lot.truncatable), state
+    for other in idle:
+        if other is not state and (n := reusable(other.tokens, prompt, lot.truncatable)) > count:
+            count, source = n, other
+    parked, snap = lot.best(prompt)
+    if parked > count:
+        count, source = parked, snap
+        lot.take(snap)  # before parking `state`, so making room cannot evict it
+    if source is not state or count < state.length:
+        lot.park(state)
+    if source is state:
+        state.truncate(count)
+    elif isinstance(source, Snapshot):
+        source.restore(state, count)
+    else:
+        state.copy_from(source, count)
+    return count
