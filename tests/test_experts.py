@@ -20,7 +20,7 @@ from strata.runtime.generate import Engine
 from strata.runtime.scheduler import Scheduler
 from tests.tiny_models import VOCAB, build
 
-NEW = 24
+NEW = 16
 PROMPTS = [[(i * 37 + j * 11 + 5) % VOCAB for j in range(5 + 6 * i)] for i in range(8)]
 
 
@@ -219,6 +219,8 @@ def test_cpu_threads_set_the_pool_threads_and_reach_the_engine(model):
         torch.set_num_threads(before)
     Engine(model.files, max_cells=64, cpu_threads=1)  # no pool: the threads are left alone
     assert torch.get_num_threads() == before
+    with pytest.raises(StrataError, match="--cpu-threads 0: the CPU expert pool needs at least 1 thread"):
+        Engine(model.files, max_cells=64, expert_budget_gb=[0], cpu_threads=0)
     options = EngineSettings(expert_budget_gb="10,12", cpu_threads=3).stage_options()
     assert options["expert_budget_gb"] == [10.0, 12.0] and options["cpu_threads"] == 3
 

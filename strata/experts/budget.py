@@ -62,3 +62,14 @@ def check_expert_budget(spec: ModelSpec, plan: list[tuple[range, torch.device]],
             f"the host has {available / 1e9:.1f} GB available: raise the budget, split the layers over more GPUs, "
             "or free host memory")
     return stages
+
+
+def set_pool_threads(cpu_threads: int | None, stages: list[StageResidency]) -> None:
+    """`--cpu-threads`: torch's CPU threads, for the whole engine process, when a stage has a pool (on a GPU the
+    engine does no other CPU arithmetic); left alone otherwise."""
+    if cpu_threads is None:
+        return
+    if cpu_threads < 1:
+        raise StrataError(f"--cpu-threads {cpu_threads}: the CPU expert pool needs at least 1 thread")
+    if any(r.pooled for r in stages):
+        torch.set_num_threads(cpu_threads)

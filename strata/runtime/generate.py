@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from strata.errors import PromptTooLong, StrataError
-from strata.experts.budget import check_expert_budget
+from strata.experts.budget import check_expert_budget, set_pool_threads
 from strata.experts.residency import place_experts, residency_by_device
 from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
@@ -57,8 +57,7 @@ class Engine:
         # expert_budget_gb: per stage, GB of routed experts kept on its device; the CPU pool computes the rest
         # (strata.experts), in cpu_threads threads (torch's, process-wide: a GPU engine does no other CPU math)
         residency = check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
-        if cpu_threads is not None and any(r.pooled for r in residency):
-            torch.set_num_threads(cpu_threads)
+        set_pool_threads(cpu_threads, residency)
         stages = []
         for k, (layers, stage_device) in enumerate(plan):
             resident = residency[k].layer_ids()  # None when every expert of the stage fits its budget
