@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernels_table import print_kernel_table  # noqa: E402
+
 
 def hf_model(shape: str, num_layers: int | None, device: str):
     """A `transformers` model at the shape, random weights (its own init, std 0.02: near-uniform routing), bf16."""
@@ -178,6 +180,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8")
     args = p.parse_args()
     device = "cuda"
 
@@ -201,6 +204,16 @@ def main() -> None:
         ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
         speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
         print(f"{rows:>5} {ours:13.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
+    for rows in [int(c) for c in args.profile.split(",") if c]:
+        slots = engine.init_slots(rows)
+        for i in range(rows):
+            slots.admit(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
+                        stop_ids=frozenset())
+        for _ in range(2):  # capture
+            slots.commit_slots(slots.run_slots())
+        floor = step_bytes(engine, rows, args.prompt_len, distinct_experts(spec, rows)) / bw
+        print_kernel_table(lambda: slots.commit_slots(slots.run_slots()),
+                           f"decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)", top=20, steps=8)
 
 
 if __name__ == "__main__":

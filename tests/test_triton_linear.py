@@ -8,7 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from strata.kernels.linear import linear_reference, linear_triton  # noqa: E402
+from strata.kernels.linear import CONFIGS, linear_reference, linear_triton, split_k  # noqa: E402
 
 TOLS = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -55,3 +55,27 @@ def test_row_invariance(rows, dtype):
     for i in (0, 5, rows - 1):
         alone = linear_triton(x[i : i + 1].clone(), weight, b)  # [1, N]
         assert torch.equal(alone[0], full[i]), f"row {i} differs alone vs in {rows} rows"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_split_k_matches_reference_and_keeps_rows_invariant(dtype, bias):
+    """A narrow weight with a long K is summed in chunks (split-K): still F.linear's result, and a row's bits
+    alone equal its bits among 19 rows (the split depends on the weight's shape only)."""
+    n, k = 40, 1024
+    block_n, block_k, _ = CONFIGS[dtype]
+    assert split_k(n, k, block_n, block_k) == 4
+    x, weight, b = _inputs(19, n, k, dtype, seed=2)
+    b = b if bias else None
+    full = linear_triton(x, weight, b)
+    want = linear_reference(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(full, want, **TOLS[dtype])
+    for i in (0, 18):
+        assert torch.equal(linear_triton(x[i : i + 1].clone(), weight, b)[0], full[i])
+
+
+def test_split_k_depends_on_the_weight_shape_only():
+    assert split_k(151936, 2048, 64, 128) == 1  # a wide weight fills the GPU by itself
+    assert split_k(2048, 4096, 64, 128) == 8  # 32 tiles -> 256 programs
+    assert split_k(5120, 2048, 64, 128) == 2
+    assert split_k(40, 136, 64, 64) == 1  # too short to split

@@ -15,8 +15,9 @@ if not isinstance(tl.sum, InterpretedFunction):
     pytest.skip("triton was imported (by an earlier test module) before TRITON_INTERPRET=1 was set: "
                 "set it in tests/conftest.py or the environment", allow_module_level=True)
 
-from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, fused_experts_triton, moe, moe_triton, route, route_triton,  # noqa: E402
-                                routed_experts)
+import strata.kernels.moe as moe_module  # noqa: E402
+from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, expert_tiles, fused_experts_triton, moe,  # noqa: E402
+                                moe_triton, route, route_triton, routed_experts)
 
 HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
 ROWS = [1, 3, 7, 33]
@@ -80,6 +81,22 @@ def test_fused_experts_match_reference(rows, top_k, dtype):
     ref = routed_experts(x.float(), weights.to(dtype).float(), ids, w["gate_up"].float(), w["down"].float())
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows, top_k, experts, bm", [(1, 8, 128, 16), (7, 3, 8, 16), (33, 2, 8, 16), (64, 10, 512, 16),
+                                                      (70, 3, 8, 64), (5, 4, 16, 128)], ids=str)
+def test_expert_tiles_kernel_lays_pairs_out_like_the_sort(rows, top_k, experts, bm, monkeypatch):
+    """Decode windows lay the pairs out with one kernel, prompt windows with a device sort: the same layout,
+    so a row's bits do not depend on which one ran. Ids >= E (experts held elsewhere) are left out by both."""
+    g = _gen(rows + experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)]).int()  # [R, k]
+    ids[0, 0] = experts  # one pair whose expert is not held here
+    by_kernel = expert_tiles(ids, experts, bm)
+    monkeypatch.setattr(moe_module, "SMALL_P", 0)
+    by_sort = expert_tiles(ids, experts, bm)
+    n = by_sort[0].numel() - 1  # the last slot is a spare that no tile reads
+    assert torch.equal(by_kernel[0][:n], by_sort[0][:n])
+    assert torch.equal(by_kernel[1], by_sort[1])
 
 
 def test_route_keeps_ids_in_range_on_nan_logits():

@@ -2,9 +2,12 @@
 
 Row m of the result is bitwise the same whatever the other rows are and however many there are: the
 tiles are fixed constants (never derived from M), each program owns one [BLOCK_M, BLOCK_N] output tile
-and runs the whole K loop in one fixed order (no split-K), and no arithmetic crosses rows. BLOCK_M is
-the tensor-core minimum, 16: a decode window of up to 16 rows reads the weight exactly once, which is
-what the step costs (it is bound by reading W). `linear_reference` is the torch op it mirrors.
+and runs its K loop in one fixed order, and no arithmetic crosses rows. BLOCK_M is the tensor-core minimum,
+16: a decode window of up to 16 rows reads the weight exactly once, which is what the step costs (it is
+bound by reading W). A narrow weight (few BLOCK_N tiles) would keep most of the GPU idle, so K is split
+into `split_k(N, K)` chunks, a number fixed by the weight's shape alone: each program sums one chunk, and a
+second kernel adds the chunks' float32 partial sums in chunk order. `linear_reference` is the torch op it
+mirrors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ CONFIGS = {
     torch.bfloat16: (64, 128, 4),
 }
 NUM_WARPS = 4
+TARGET_PROGRAMS = 256  # about two per SM of a large GPU: enough loads in flight to stream the weight
+MIN_CHUNK = 256  # the fewest K columns one program of a split sums
+
+
+def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
+    """How many chunks K is split into for an [n, k] weight: a power of two, a function of the shape only (so a
+    row's sum order never depends on how many rows share the call), 1 for weights wide enough on their own."""
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= max(MIN_CHUNK, block_k) \
+            and k % (split * 2 * block_k) == 0:
+        split *= 2
+    return split
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -32,37 +48,63 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @triton.jit(do_not_specialize=["M"])
 def linear_kernel(
     p_x, p_w, p_b, p_out,
-    M, N, K,
+    M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
+    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
+    i_s = tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_m = o_m < M
     m_n = o_n < N
-    p_xk = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    p_wk = p_w + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    k0 = i_s * K_CHUNK
+    p_xk = p_x + o_m.to(tl.int64)[:, None] * stride_xm + (k0 + o_k)[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    p_wk = p_w + o_n.to(tl.int64)[None, :] * stride_wn + (k0 + o_k)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     # tl.full and // rather than tl.zeros / tl.cdiv (jit helpers that break the interpreter when triton
     # was imported before TRITON_INTERPRET was set)
     b_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for i_k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        m_k = o_k < K - i_k * BLOCK_K
+    k_end = tl.minimum(K - k0, K_CHUNK)
+    for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):
+        m_k = o_k < k_end - i_k * BLOCK_K
         b_x = tl.load(p_xk, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=INPUT_PRECISION)
         p_xk += BLOCK_K * stride_xk
         p_wk += BLOCK_K * stride_wk
+    m_o = m_m[:, None] & m_n[None, :]
+    if PARTIAL:
+        p_p = p_out + i_s.to(tl.int64) * M * N + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        tl.store(p_p, b_acc, mask=m_o)
+    else:
+        if HAS_BIAS:
+            b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+        tl.store(p_o, b_acc.to(p_out.dtype.element_ty), mask=m_o)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_chunks_kernel(p_part, p_b, p_out, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[m, n] = sum over chunks s = 0, 1, ... of part[s, m, n] (+ bias), in that order."""
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < N
+    b_acc = tl.full([BLOCK], 0.0, tl.float32)
+    for i_s in tl.static_range(SPLIT):
+        b_acc += tl.load(p_part + (i_s * M + i_m).to(tl.int64) * N + o_n, mask=m_n, other=0.0)
     if HAS_BIAS:
-        b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    tl.store(p_o, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)
+    tl.store(p_out + i_m.to(tl.int64) * stride_om + o_n, b_acc.to(p_out.dtype.element_ty), mask=m_n)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,14 +121,22 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
+    split = split_k(n, k, block_n, block_k)
+    chunk = k // split if split > 1 else k
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None  # [S, M, N]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
     linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out,
-        m, n, k,
+        x, weight, bias if bias is not None else x, out if partial is None else partial,
+        m, n, k, chunk,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None,
+        PARTIAL=partial is not None,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=NUM_WARPS, num_stages=num_stages,
     )
+    if partial is not None:
+        _sum_chunks_kernel[(m, triton.cdiv(n, 1024))](
+            partial, bias if bias is not None else x, out, m, n, out.stride(0),
+            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)
     return out

@@ -101,10 +101,13 @@ class ExpertTiles:
     block_k: int = BLOCK_K  # reduction step
     num_warps: int = 4
     num_stages: int = 3
+    combine_n: int = BLOCK_N  # columns per program of the combine (a row's sum order does not depend on it)
 
 
-DECODE_TILES = ExpertTiles()
-PROMPT_TILES = ExpertTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
+# 64 rows) had 32 columns x 128-deep steps with 4 stages fastest or within 1 % of the fastest at every row count.
+DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64)
+PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512)
 
 
 @triton.jit
@@ -223,6 +226,77 @@ def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.
     tl.store(p_out + i_r.to(tl.int64) * H + o_n, b_out.to(p_out.dtype.element_ty), mask=m_n)
 
 
+@triton.jit
+def _expert_tiles_kernel(p_ids, p_pair, p_expert, P, E, NUM_SLOTS, MAX_BLOCKS,
+                         BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
+    order within an expert (what a stable sort by expert gives). p_pair[slot] = the pair in that slot (P in
+    padding slots); p_expert[tile] = its expert (E past the last used tile). Ids >= E are left out."""
+    o_e = tl.arange(0, BLOCK_E)
+    o_q = tl.arange(0, BLOCK_P)
+    b_count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        b_ids = tl.minimum(tl.load(p_ids + p0 + o_q, mask=p0 + o_q < P, other=E), E)
+        b_count += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), axis=0)
+    m_e = o_e < E
+    b_count = tl.where(m_e, b_count, 0)
+    b_tiles = (b_count + BM - 1) // BM
+    b_ends = tl.cumsum(b_tiles, axis=0)  # [BE] tiles up to and including each expert
+    b_first = (b_ends - b_tiles) * BM  # [BE] each expert's first slot
+    for t0 in range(0, MAX_BLOCKS, BLOCK_P):
+        o_t = t0 + o_q
+        b_e = tl.sum(((b_ends[None, :] <= o_t[:, None]) & m_e[None, :]).to(tl.int32), axis=1)
+        tl.store(p_expert + o_t, b_e, mask=o_t < MAX_BLOCKS)
+    for s0 in range(0, NUM_SLOTS, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        tl.store(p_pair + o_s, tl.zeros([BLOCK_S], dtype=tl.int32) + P, mask=o_s < NUM_SLOTS)
+    tl.debug_barrier()  # the padding is written before the pairs overwrite their slots
+    b_seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert placed so far
+    for p0 in range(0, P, BLOCK_P):
+        o_p = p0 + o_q
+        b_ids = tl.minimum(tl.load(p_ids + o_p, mask=o_p < P, other=E), E)
+        b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [BP, BE]
+        b_base = tl.sum(b_hot * (b_first + b_seen)[None, :], axis=1)  # [BP]
+        b_before = tl.sum(((b_ids[:, None] == b_ids[None, :]) & (o_q[None, :] < o_q[:, None])).to(tl.int32), axis=1)
+        tl.store(p_pair + b_base + b_before, o_p, mask=(o_p < P) & (b_ids < E))
+        b_seen += tl.sum(b_hot, axis=0)
+
+
+SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one kernel, not a sort
+
+
+def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32): the pairs
+    grouped by expert in tiles of `bm` (P in padding slots, E past the last used tile; ids >= E left out).
+    One launch for decode windows; a device sort for prompt windows. Both lay the pairs out identically."""
+    P = ids.numel()
+    dev = ids.device
+    max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
+    if P <= SMALL_P:
+        pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
+        expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        block_e = triton.next_power_of_2(E + 1)
+        _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, P, E,
+                                   max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_E=block_e,
+                                   BLOCK_P=max(8, min(64, 8192 // block_e)), BLOCK_S=1024, num_warps=8)
+        return pair_of_slot, expert_of_block
+    flat = ids.reshape(-1).long()  # [P]
+    order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
+    sorted_e = flat[order]  # [P]
+    experts = torch.arange(E, device=dev)  # [E]
+    starts = torch.searchsorted(sorted_e, experts)  # [E] (bincount would sync on CUDA)
+    counts = torch.searchsorted(sorted_e, experts, right=True) - starts  # [E]
+    blocks = (counts + bm - 1) // bm  # [E]
+    block_ends = blocks.cumsum(0)  # [E]
+    held = sorted_e.clamp(max=E - 1)  # skipped pairs (ids >= E) sort last; their slot is the spare one below
+    slot = (block_ends - blocks)[held] * bm + torch.arange(P, device=dev) - starts[held]  # [P]
+    slot = torch.where(sorted_e < E, slot, max_blocks * bm)
+    pair_of_slot = torch.full((max_blocks * bm + 1,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM + spare]
+    pair_of_slot[slot] = order.int()
+    expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()
+    return pair_of_slot, expert_of_block
+
+
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES) -> torch.Tensor:
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
@@ -242,22 +316,9 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         return out.zero_()
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
-    flat = ids.reshape(-1).long()  # [P]
-    order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
-    sorted_e = flat[order]  # [P]
-    experts = torch.arange(E, device=dev)  # [E]
-    starts = torch.searchsorted(sorted_e, experts)  # [E] (bincount would sync on CUDA)
-    counts = torch.searchsorted(sorted_e, experts, right=True) - starts  # [E]
     bm = tiles.block_m
-    blocks = (counts + bm - 1) // bm  # [E]
-    block_ends = blocks.cumsum(0)  # [E]
-    max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
-    held = sorted_e.clamp(max=E - 1)  # skipped pairs (ids >= E) sort last; their slot is the spare one below
-    slot = (block_ends - blocks)[held] * bm + torch.arange(P, device=dev) - starts[held]  # [P]
-    slot = torch.where(sorted_e < E, slot, max_blocks * bm)
-    pair_of_slot = torch.full((max_blocks * bm + 1,), P, dtype=torch.int32, device=dev)  # [max_blocks * BM + spare]
-    pair_of_slot[slot] = order.int()
-    expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()  # [max_blocks], E = unused
+    pair_of_slot, expert_of_block = expert_tiles(ids, E, bm)
+    max_blocks = expert_of_block.shape[0]
 
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
              num_stages=tiles.num_stages)
@@ -267,8 +328,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
     _down_kernel[(max_blocks, triton.cdiv(H, tiles.block_n))](
         h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(), **t)
-    _combine_kernel[(R, triton.cdiv(H, BLOCK_N))](
-        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=BLOCK_N)
+    _combine_kernel[(R, triton.cdiv(H, tiles.combine_n))](
+        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=tiles.combine_n)
     return out
 
 

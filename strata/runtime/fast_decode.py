@@ -19,8 +19,8 @@ from strata.kernels.attention import decode_attention_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.linear import linear_triton
 from strata.kernels.moe import moe_triton
-from strata.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
-from strata.kernels.rope import apply_rope_triton
+from strata.kernels.qk_prep import qk_prep_triton
+from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights, Tensors
 from strata.runtime.forward import split_qkv
@@ -43,32 +43,33 @@ class TritonDecode:
         logits [R, V] on the last stage, else this stage's hidden states."""
         eps = self.spec.rms_eps
         x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
+        pending = None  # the last block's output, added to x by the next norm (one kernel for both)
         for i, w in self.weights.layers.items():
-            h = rms_norm_triton(x, w["attn_norm"], eps)
+            h, x = self._add_norm(pending, x, w["attn_norm"])
             if self.spec.layers[i].mixer == "attention":
                 h = self._attention(i, w, h, pool, positions, seq_ids)
             else:
                 h = self._gdn(i, w, h, pool, seq_ids)
-            x = x + h
-            h = rms_norm_triton(x, w["mlp_norm"], eps)
-            x = x + self._mlp(i, w, h)
+            h, x = self._add_norm(h, x, w["mlp_norm"])
+            pending = self._mlp(i, w, h)
         if self.weights.final_norm is None:
-            return x
-        h = rms_norm_triton(x, self.weights.final_norm, eps)
+            return x if pending is None else x + pending
+        h, _ = self._add_norm(pending, x, self.weights.final_norm)
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
+
+    def _add_norm(self, h, x, weight):
+        """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give."""
+        if h is None:
+            return rms_norm_triton(x, weight, self.spec.rms_eps), x
+        return add_rms_norm_triton(h, x, weight, self.spec.rms_eps)
 
     def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
         a = self.spec.attention
         r = x.shape[0]
         q, k, v, gate = split_qkv(a, linear_triton(x, w["qkv"], w.get("qkv_bias")))
-        if a.qk_norm:
-            q = rms_norm_triton(q, w["q_norm"], self.spec.rms_eps)
-            k = rms_norm_triton(k, w["k_norm"], self.spec.rms_eps)
-        q = apply_rope_triton(q, positions, self.inv_freq, a.rotary_dim)
-        k = apply_rope_triton(k, positions, self.inv_freq, a.rotary_dim)
-        seq, pos = seq_ids.long(), positions.long()
-        pool.k[i][seq, pos] = k  # each row writes its own cell
-        pool.v[i][seq, pos] = v
+        # q/k norms, rotary, and each row's k and v into its own cell: one launch
+        q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
+                           a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
         out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale).reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -142,6 +143,7 @@ class GraphedDecode:
         graph = torch.cuda.CUDAGraph()
         if self.memory_pool is None:
             self.memory_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
+        # thread_local: another stage's worker may allocate or wait while this one captures (pipelined groups)
+        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
             out = self.decode(pool, *bufs)
         return graph, bufs, out

@@ -34,6 +34,8 @@ class Forward:
         self.fast = None
         self.pools = stage_pools(weights.offloaded, spec.moe.num_experts) if weights.offloaded else {}  # CPU experts
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
+        self.norm = rms_norm  # per row vector: row-invariant in both forms
+        self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
         self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
         self.prompt_gdn = None  # (conv, chunked delta rule) on Triton for prompt windows (None: the torch references)
         if kernels == "triton":
@@ -43,6 +45,11 @@ class Forward:
             from strata.kernels.attention import prefill_attention_triton
 
             self.attend = prefill_attention_triton
+            from strata.kernels.rmsnorm import rms_norm_triton
+            from strata.kernels.rope import apply_rope_triton
+
+            self.norm = rms_norm_triton
+            self.rotate = apply_rope_triton
             from strata.kernels.gdn import causal_conv1d_triton, gated_delta_rule_chunked_triton
 
             self.prompt_gdn = (causal_conv1d_triton, gated_delta_rule_chunked_triton)
@@ -56,23 +63,28 @@ class Forward:
         return F.embedding(tokens, self.weights.embed)  # [R, hidden]
 
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
-        cos, sin = rope_cos_sin(window.positions.to(self.device), self.inv_freq, self.dtype)
+        positions = window.positions.to(self.device)
+        if self.rotate is None:
+            cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+            turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
+        else:
+            turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim)  # noqa: E731
         eps = self.spec.rms_eps
         rows = _rows_for(window)
         for i, w in self.weights.layers.items():
-            h = rows(rms_norm, x, w["attn_norm"], eps)
+            h = rows(self.norm, x, w["attn_norm"], eps)
             if self.spec.layers[i].mixer == "attention":
-                h = self._attention(i, w, h, window, cos, sin, rows)
+                h = self._attention(i, w, h, window, turn, rows)
             else:
                 h = self._gdn(i, w, h, window, rows)
             x = x + h
-            h = rows(rms_norm, x, w["mlp_norm"], eps)
+            h = rows(self.norm, x, w["mlp_norm"], eps)
             x = x + self._mlp(i, w, h, rows)
         return x
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         rows = _rows_for(window)
-        h = rows(rms_norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
+        h = rows(self.norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
         return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
@@ -89,14 +101,14 @@ class Forward:
         x = self.layers(x, window)
         return self.head(x, window) if self.weights.final_norm is not None else x
 
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, cos, sin, rows) -> torch.Tensor:
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows) -> torch.Tensor:
         a = self.spec.attention
         r = x.shape[0]
         q, k, v, gate = split_qkv(a, rows(F.linear, x, w["qkv"], w.get("qkv_bias")))
         if a.qk_norm:
-            q = rows(rms_norm, q, w["q_norm"], self.spec.rms_eps)
-            k = rows(rms_norm, k, w["k_norm"], self.spec.rms_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = rows(self.norm, q, w["q_norm"], self.spec.rms_eps)
+            k = rows(self.norm, k, w["k_norm"], self.spec.rms_eps)
+        q, k = turn(q), turn(k)
         out = torch.empty_like(q)
         for seg in window.segments:
             seg_rows = slice(seg.start, seg.stop)

@@ -1,0 +1,95 @@
+"""Tile choices of the routed experts' grouped GEMMs for decode windows, against the bytes they must read.
+
+At 1 to 64 rows a decode window's experts are bound by reading the routed experts' weights: this times
+`fused_experts_triton` with several `ExpertTiles` at a real shape and prints each one's achieved bandwidth
+against the measured copy bandwidth (the floor is the distinct experts' bytes at that rate). The chosen
+DECODE_TILES must be one configuration for every row count (a row's bits depend on the tiles).
+
+    python bench/moe_tiles.py --shape qwen3-30b-a3b --rows 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import shape  # noqa: E402
+
+from strata.kernels.moe import DECODE_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
+
+CANDIDATES = [
+    DECODE_TILES,  # the one in use
+    ExpertTiles(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3),  # the first choice
+    ExpertTiles(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=3),
+    ExpertTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    ExpertTiles(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=5),
+    ExpertTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    ExpertTiles(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4),
+]
+
+
+def seconds(fn, reps: int = 20, graph: bool = True) -> float:
+    """GPU seconds per call; replayed from a CUDA graph (as decode windows are), so launch costs stay out."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--rows", default="1,8,64")
+    args = p.parse_args()
+    spec = shape(args.shape)
+    m, h = spec.moe, spec.hidden_size
+    dev, dt = "cuda", torch.bfloat16
+    gate_up = torch.randn(m.num_experts, 2 * m.expert_dim, h, device=dev, dtype=dt) / h**0.5
+    down = torch.randn(m.num_experts, h, m.expert_dim, device=dev, dtype=dt) / m.expert_dim**0.5
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = src.numel() * 2 / seconds(lambda: dst.copy_(src), reps=10, graph=False)
+    del src, dst
+    per_expert = 3 * m.expert_dim * h * 2
+    print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
+          f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>32} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8}")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        x = torch.randn(rows, h, device=dev, dtype=dt)
+        weights, ids = route_triton(torch.randn(rows, m.num_experts, device=dev), m.top_k, True)
+        distinct = ids.unique().numel()
+        floor = distinct * per_expert / bw
+        for t in CANDIDATES:
+            try:
+                sec = seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t))
+            except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
+                print(f"{rows:4d} {str((t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)):>32} failed: "
+                      f"{type(e).__name__}")
+                continue
+            tb = distinct * per_expert / sec / 1e12
+            print(f"{rows:4d} {str((t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)):>32} "
+                  f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%}")
+
+
+if __name__ == "__main__":
+    main()
