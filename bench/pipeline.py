@@ -1,7 +1,9 @@
 """Layer split over two GPUs: one card, two stages, and two stages with pipelined groups, at 8 slots.
 
 Prints total decode tokens/s for each, in one run (the one-card engine is the anchor), plus each card's VRAM
-with and without `--trim-stage-weights`. Random bfloat16 weights at a real shape (bench/shapes.py).
+with and without `--trim-stage-weights`, and whether each configuration's greedy tokens equal the one-card
+run's (a layer's random weights do not depend on the stage that draws them). Random bfloat16 weights at a
+real shape (bench/shapes.py).
 
     python bench/pipeline.py --shape qwen3-30b-a3b --slots 8
 """
@@ -31,7 +33,8 @@ def engine_for(spec, split, groups, trim):
                   layer_split=split, batch_groups=groups, trim_stage_weights=trim)
 
 
-def total_tok_s(engine, slots: int, tokens: int) -> float:
+def total_tok_s(engine, slots: int, tokens: int) -> tuple[float, dict[int, list[int]]]:
+    """Total decode tokens/s of `slots` conversations, and each slot's tokens."""
     lines: list[str] = []
     sched = Scheduler(engine, slots, lines.append)
     vocab = engine.spec.vocab_size
@@ -45,7 +48,13 @@ def total_tok_s(engine, slots: int, tokens: int) -> float:
     while sched.busy:
         sched.step()
     generated = sum(line.startswith("BT") for line in lines) - before
-    return generated / (time.perf_counter() - start)
+    rate = generated / (time.perf_counter() - start)
+    tokens_of: dict[int, list[int]] = {}
+    for line in lines:
+        if line.startswith("BT "):
+            _, slot, token = line.split()
+            tokens_of.setdefault(int(slot), []).append(int(token))
+    return rate, tokens_of
 
 
 def vram_gb() -> list[float]:
@@ -70,16 +79,17 @@ def main() -> None:
                                          (f"2 stages {split}, untrimmed", split, 2, False)]:
         engine = engine_for(spec, split_, groups, trim)
         vram = vram_gb()
-        rate = total_tok_s(engine, args.slots, args.tokens) if trim or split_ is None else float("nan")
-        rows.append((label, rate, vram))
+        rate, tokens = total_tok_s(engine, args.slots, args.tokens) if trim or split_ is None else (float("nan"), None)
+        rows.append((label, rate, vram, tokens))
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    base = rows[0][1]
-    print(f"{'configuration':34} {'total tok/s':>12} {'vs one card':>12}  VRAM per card (GB)")
-    for label, rate, vram in rows:
+    base, base_tokens = rows[0][1], rows[0][3]
+    print(f"{'configuration':34} {'total tok/s':>12} {'vs one card':>12}  {'same tokens':>11}  VRAM per card (GB)")
+    for label, rate, vram, tokens in rows:
         rate_s = f"{rate:12.1f} {rate / base:11.2f}x" if rate == rate else f"{'-':>12} {'-':>12}"
-        print(f"{label:34} {rate_s}  {', '.join(f'{v:.1f}' for v in vram)}")
+        same = "-" if tokens is None else ("yes" if tokens == base_tokens else "NO")
+        print(f"{label:34} {rate_s}  {same:>11}  {', '.join(f'{v:.1f}' for v in vram)}")
 
 
 if __name__ == "__main__":

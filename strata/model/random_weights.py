@@ -27,9 +27,10 @@ def random_stage_weights(spec: ModelSpec, layers: range, device: torch.device, d
     held: dict[int, Tensors] = {}
     for i in range(spec.num_layers) if not trim else layers:
         if i not in layers:  # an untrimmed stage holds the other layers' dense tensors
-            layer_w = random_stage_weights(spec, range(i, i + 1), device, dtype, seed + i).layers[i]
+            layer_w = random_stage_weights(spec, range(i, i + 1), device, dtype, seed).layers[i]
             held[i] = {k: v for k, v in layer_w.items() if not k.startswith("experts_")}
             continue
+        gen.manual_seed(seed + 1 + i)  # a layer's tensors do not depend on which stage draws them
         layer = spec.layers[i]
         t: Tensors = {"attn_norm": ones(h), "mlp_norm": ones(h)}
         if layer.mixer == "attention":
@@ -61,8 +62,10 @@ def random_stage_weights(spec: ModelSpec, layers: range, device: torch.device, d
         out[i] = t
     weights = StageWeights(layers=out, held=held)
     if layers.start == 0:
+        gen.manual_seed(seed)
         weights.embed = w(spec.vocab_size, h, fan_in=1)
     if layers.stop == spec.num_layers:
+        gen.manual_seed(seed + 1 + spec.num_layers)
         weights.final_norm = ones(h)
         weights.lm_head = weights.embed if spec.tie_embeddings and weights.embed is not None else w(spec.vocab_size, h)
     return weights

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from strata.errors import StrataError
+from strata.runtime.window import row_tensor
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
@@ -60,14 +61,6 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-
-def _row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small per-row tensor on `device`, copied from pinned memory so a CUDA stream does not wait."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,10 +120,10 @@ def apply_penalties(
     if not any(p.has_penalties for p in params):
         return logits
     device, dtype = logits.device, logits.dtype
-    rep = _row_tensor([p.repetition_penalty for p in params], dtype, device)[:, None]
-    presence = _row_tensor([p.presence_penalty for p in params], dtype, device)[:, None]
-    frequency = _row_tensor([p.frequency_penalty for p in params], dtype, device)[:, None]
-    active = _row_tensor([p.has_penalties for p in params], torch.bool, device)[:, None]
+    rep = row_tensor([p.repetition_penalty for p in params], dtype, device)[:, None]
+    presence = row_tensor([p.presence_penalty for p in params], dtype, device)[:, None]
+    frequency = row_tensor([p.frequency_penalty for p in params], dtype, device)[:, None]
+    active = row_tensor([p.has_penalties for p in params], torch.bool, device)[:, None]
 
     counts = generated_counts if generated_counts is not None else torch.zeros_like(logits, dtype=torch.int32)
     in_output = counts > 0
@@ -164,12 +157,12 @@ def sample(
 
     device = logits.device
     vocab_size = logits.shape[-1]
-    greedy = _row_tensor([p.is_greedy for p in params], torch.bool, device)
-    temperature = _row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
-    top_k = _row_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
-    top_p = _row_tensor([p.top_p for p in params], torch.float32, device)
-    min_p = _row_tensor([p.min_p for p in params], torch.float32, device)
-    seed = _row_tensor([p.seed for p in params], torch.int64, device)
+    greedy = row_tensor([p.is_greedy for p in params], torch.bool, device)
+    temperature = row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
+    top_k = row_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
+    top_p = row_tensor([p.top_p for p in params], torch.float32, device)
+    min_p = row_tensor([p.min_p for p in params], torch.float32, device)
+    seed = row_tensor([p.seed for p in params], torch.int64, device)
 
     x = logits.float()
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # max 0 first: a tiny T cannot overflow

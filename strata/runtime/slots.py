@@ -16,7 +16,7 @@ import torch
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.window import Window
+from strata.runtime.window import Window, row_tensor
 from strata.state.session import SessionState
 
 
@@ -169,7 +169,7 @@ class Slots:
         """Sample one token per row, record it in its slot, and end the slots that are done."""
         indices = [indices] if isinstance(indices, int) else indices
         slots = [self.slots[i] for i in indices]
-        positions = torch.tensor([s.state.length for s in slots], dtype=torch.int64, device=logits.device)
+        positions = row_tensor([s.state.length for s in slots], torch.int64, logits.device)
         seen = counts = None
         if any(s.params.has_penalties for s in slots):
             vocab = logits.shape[-1]

@@ -6,6 +6,13 @@ cross from one stage to the next as a hidden-state tensor copied onto the next s
 either run synchronously through every stage (`__call__`), or launched (`launch`): each stage's worker takes
 the window when the previous stage hands it over, so stage k runs group g while stage k+1 runs group g-1, and
 the host thread never waits.
+
+On GPUs each stage queues its work on a stream of its own, and nothing waits for more than it needs: a stage
+starts after what the caller queued on its device's default stream (the window's inputs, state edits); the
+hand-off copy runs on a side stream of the sender's device after an event recorded at the end of the
+sender's share of this window only (a plain cross-device copy would wait for everything queued on the
+sender's device, the next group's window included); the caller's default stream on the last device waits
+for the window's end, so whoever reads the logits sees them finished.
 """
 
 from __future__ import annotations
@@ -79,10 +86,25 @@ class Stage:
     weights: StageWeights
     forward: Forward
     worker: ThreadPoolExecutor
+    stream: "torch.cuda.Stream | None" = None  # where this stage's kernels queue (GPUs only)
+    handoff: "torch.cuda.Stream | None" = None  # where its output is copied to the next stage's device
+
+    def __post_init__(self):
+        if self.device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+            self.handoff = torch.cuda.Stream(device=self.device)
 
     @property
     def first(self) -> bool:
         return self.layers.start == 0
+
+
+@dataclass
+class Handoff:
+    """A stage's output on its own device and, on a GPU, the event that marks it written."""
+
+    x: torch.Tensor
+    ready: "torch.cuda.Event | None" = None
 
 
 class Pipeline:
@@ -94,24 +116,54 @@ class Pipeline:
             log.info("stage %d: layers %d-%d on %s, %.2f GB of weights", s.index, s.layers.start, s.layers.stop - 1,
                      s.device, s.weights.nbytes() / 1e9)
 
-    def _stage(self, stage: Stage, window: Window, x: torch.Tensor | None) -> torch.Tensor:
-        if stage.device.type == "cuda":
-            torch.cuda.set_device(stage.device)
+    def _stage(self, stage: Stage, window: Window, sent: Handoff | None) -> Handoff:
         with torch.inference_mode():
-            if x is not None:
-                x = x.to(stage.device, copy=True)  # a hand-off of its own: the sender may reuse its buffer
-            return stage.forward.run_stage(window, x)
+            if stage.stream is None:  # the CPU
+                x = None if sent is None else sent.x.to(stage.device, copy=True)  # the sender may reuse its buffer
+                return Handoff(stage.forward.run_stage(window, x))
+            torch.cuda.set_device(stage.device)
+            with torch.cuda.stream(stage.stream):
+                stage.stream.wait_stream(torch.cuda.default_stream(stage.device))  # the caller's inputs and edits
+                x = None if sent is None else self._receive(stage, sent)
+                out = stage.forward.run_stage(window, x)
+                ready = torch.cuda.Event()
+                ready.record(stage.stream)
+            return Handoff(out, ready)
+
+    def _receive(self, stage: Stage, sent: Handoff) -> torch.Tensor:
+        """Copy the previous stage's output here once that stage has written it (and not later)."""
+        sender = self.stages[stage.index - 1]
+        if sender.handoff is None:  # from the CPU
+            return sent.x.to(stage.device)
+        with torch.cuda.stream(sender.handoff):
+            sender.handoff.wait_event(sent.ready)
+            sent.x.record_stream(sender.handoff)  # read there: keep its memory until the copy is done
+            return sent.x.to(stage.device, non_blocking=True)
+
+    def _finish(self, last: Handoff) -> torch.Tensor:
+        """The window's result, safe to use from the device's default stream (where callers work)."""
+        if last.ready is not None:
+            default = torch.cuda.default_stream(last.x.device)
+            default.wait_event(last.ready)
+            last.x.record_stream(default)
+        return last.x
 
     def __call__(self, window: Window) -> torch.Tensor:
-        x = None
+        sent = None
         for stage in self.stages:
-            x = self._stage(stage, window, x)
-        return x
+            sent = self._stage(stage, window.on(stage.device), sent)
+        return self._finish(sent)
 
     def launch(self, window: Window) -> Future:
         """Queue the window on every stage's worker in turn; the returned future holds its logits."""
         future: Future | None = None
+        last = len(self.stages) - 1
         for stage in self.stages:
             prev = future
-            future = stage.worker.submit(lambda st=stage, p=prev: self._stage(st, window, p.result() if p else None))
+
+            def work(st=stage, p=prev, local=window.on(stage.device)):  # row tensors made here, on the host thread
+                out = self._stage(st, local, p.result() if p else None)
+                return self._finish(out) if st.index == last else out
+
+            future = stage.worker.submit(work)
         return future

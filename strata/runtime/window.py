@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from strata.state.session import SessionState, StatePool
+
+
+def row_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A small per-row tensor on `device`. On a GPU it is copied from pinned memory without waiting: a copy
+    from ordinary host memory would wait for everything queued on the device's stream, so building the next
+    group's window would wait for the window another stage is still running (pipelined groups)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -31,6 +41,7 @@ class Window:
     logit_rows: torch.Tensor  # [N] int64: the rows whose next-token logits are wanted
     pool: StatePool | None = None  # the pool holding every segment's state, when they share one
     seq_ids: torch.Tensor | None = None  # [S] int32: each segment's index in `pool`
+    host: tuple[list[int], ...] | None = None  # tokens, positions, logit rows and seq ids on the host
 
     @property
     def num_rows(self) -> int:
@@ -53,15 +64,26 @@ class Window:
             positions += range(state.length, state.length + len(ids))
             logit_rows += range(row, row + len(ids)) if all_logits else [row + len(ids) - 1]
             row += len(ids)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
         pools = {id(s.state.pool): s.state.pool for s in segments}
         pool = next(iter(pools.values())) if len(pools) == 1 else None
-        seq_ids = torch.tensor([s.state.index for s in segments], dtype=torch.int32, device=device)
-        return cls(as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool, seq_ids)
+        seq_list = [s.state.index for s in segments]
+        return cls(as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool,
+                   row_tensor(seq_list, torch.int32, device), (tokens, positions, logit_rows, seq_list))
+
+    def on(self, device: torch.device) -> "Window":
+        """This window with its row tensors on `device`, copied from the host (for a stage on another device:
+        copying them from the first device would make that stage wait for whatever that device is running)."""
+        if self.host is None or self.tokens.device == device:
+            return self
+        tokens, positions, logit_rows, seq_ids = self.host
+        as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
+        return replace(self, tokens=as_tensor(tokens), positions=as_tensor(positions),
+                       logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device))
 
     def commit(self) -> None:
         """Every row was kept: advance each sequence past its rows."""
-        tokens = self.tokens.tolist()
+        tokens = self.host[0] if self.host is not None else self.tokens.tolist()
         for seg in self.segments:
             seg.state.length = seg.first_pos + seg.num_rows
             seg.state.tokens += tokens[seg.start : seg.stop]
