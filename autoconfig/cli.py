@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 def _facts_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata autoconfig facts", description="Print this machine's facts as JSON.")
     p.add_argument("--annotate-node", action="store_true",
-                   help="also write them on the Kubernetes node $NODE_NAME as the annotation strata.dev/facts")
+                   help="also write them on the Kubernetes node $NODE_NAME as the annotation strata.dev/facts "
+                        "(the node's RAM and CPUs, not this pod's own limits)")
     return p
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _facts(args: argparse.Namespace) -> int:
-    machine = read_machine()
+    machine = read_machine(node=args.annotate_node)  # a node's facts: not limited by this pod's own cgroup
     print(machine.model_dump_json(indent=2))
     if args.annotate_node:
         from autoconfig.node import ANNOTATION, annotate_node

@@ -103,9 +103,9 @@ def load_facts(path: str | Path) -> MachineFacts | Facts:
 # ---------------------------------------------------------------------------------------------- machine
 
 
-def read_machine() -> MachineFacts:
+def read_machine(node: bool = False) -> MachineFacts:
     """This machine's GPUs (through NVML; none when `nvidia-ml-py` or a driver is missing) and host."""
-    return MachineFacts(gpus=read_gpus(), host=read_host())
+    return MachineFacts(gpus=read_gpus(), host=read_host(node=node))
 
 
 def read_gpus() -> list[GpuFacts]:
@@ -149,11 +149,14 @@ def _nvml_or(query, handle, default: int) -> int:
         return default
 
 
-def read_host(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> HostFacts:
-    """RAM and CPUs, within the container's cgroup limits when there are any."""
+def read_host(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"), node: bool = False) -> HostFacts:
+    """RAM and CPUs, within the container's cgroup limits when there are any. `node`: the whole machine's, as
+    the node-facts pod reports them for the server pods it describes (its own small limits do not count)."""
     meminfo = _meminfo(proc / "meminfo")
     total = meminfo.get("MemTotal", 0)
     available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
+    if node:
+        cgroup = Path("/nonexistent")  # no limits of this container apply
     limit = _cgroup_number(cgroup / "memory.max")  # cgroup v2; v1 below
     used = _cgroup_number(cgroup / "memory.current")
     if limit is None:

@@ -124,6 +124,9 @@ def test_read_host_within_cgroup_limits(tmp_path):
     host = read_host(proc, cgroup)
     assert host.ram_total_bytes == 64 << 30 and host.ram_available_bytes == 60 << 30
     assert host.cpu_cores <= 2
+    # the node-facts pod (`--annotate-node`) describes the node, not itself: its own 256Mi limit does not count
+    node = read_host(proc, cgroup, node=True)
+    assert node.ram_total_bytes == 263856128 * 1024 and node.ram_available_bytes == 250000000 * 1024
 
 
 def test_read_gpus_through_nvml(monkeypatch):
@@ -377,7 +380,8 @@ def test_cli_annotates_the_node(monkeypatch, capsys):
                                      load_kube_config=lambda: calls.append("kubeconfig")),
     )
     monkeypatch.setitem(sys.modules, "kubernetes", fake)
-    monkeypatch.setattr(cli, "read_machine", lambda: machine("2xh200"))
+    asked = []
+    monkeypatch.setattr(cli, "read_machine", lambda node=False: asked.append(node) or machine("2xh200"))
     monkeypatch.delenv("NODE_NAME", raising=False)
     assert main(["facts", "--annotate-node"]) == 2
     assert "$NODE_NAME" in capsys.readouterr().err
@@ -385,6 +389,7 @@ def test_cli_annotates_the_node(monkeypatch, capsys):
     assert main(["facts", "--annotate-node"]) == 0
     assert calls == ["in-cluster", ("gpu-node-7", node_patch(machine("2xh200")))]
     assert "annotated node gpu-node-7 with strata.dev/facts" in capsys.readouterr().err
+    assert asked == [True, True]  # the node's own RAM and CPUs, not the facts pod's limits
 
 
 def test_cli_replays_facts_and_writes_a_config(next80b, tmp_path, capsys):
