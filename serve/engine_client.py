@@ -85,8 +85,11 @@ class EngineClient:
 
     async def _run(self) -> None:
         while not self._closing:
+            # A session of its own: a terminal's Ctrl-C (sent to the whole foreground group) reaches the server
+            # only, which then stops the engine itself; the engine also exits when its input closes.
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 24,
+                start_new_session=True,
             )
             log.info("engine process started (pid %d): %s", self.proc.pid, " ".join(self.argv))
             while line := await self.proc.stdout.readline():

@@ -229,3 +229,50 @@ def test_api_key():
         assert httpx.get(srv.url + "/health").status_code == 200  # health and metrics stay open, as in vLLM
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_stops_server_and_engine_without_a_restart(tmp_path, sig):
+    """Ctrl-C in a terminal, `timeout` or a service manager signal the whole process group: the server must stop
+    its engine itself, not see it die first, log an error and start another."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.server_process import free_port
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        engine_pid = httpx.get(url + "/metrics").json()["engine_facts"]["pid"]
+        os.killpg(proc.pid, getattr(signal, sig))
+        assert proc.wait(timeout=60) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "restarting" not in text and "ERROR" not in text, text[-2000:]
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+        except (OSError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 20
+    while running(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(engine_pid), "the engine process outlived its server"
