@@ -1,0 +1,175 @@
+"""Every Triton kernel against its torch reference on the GPU, in bfloat16, at a real model's sizes.
+
+The CPU tests check the kernels under the Triton interpreter in float32 and float16 on small odd shapes; this
+checks the compiled kernels on the card, in bfloat16, at Qwen3-30B-A3B / Qwen3-Next sizes: each line prints the
+relative error (norm of the difference over the norm of the float32 reference) against a bound suited to
+bfloat16, and "ok" or "FAIL". The fused decode kernel `qk_prep` must equal the separate kernels bit for bit.
+
+    python bench/kernels_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.attention import attention, decode_attention_triton, prefill_attention_triton
+from strata.kernels.gdn import (causal_conv1d, causal_conv1d_triton, gated_delta_rule_chunked,
+                                gated_delta_rule_chunked_triton, gated_delta_rule_step, gdn_decode_triton)
+from strata.kernels.linear import linear_triton
+from strata.kernels.moe import PROMPT_TILES, moe, moe_triton, route, route_triton
+from strata.kernels.qk_prep import qk_prep_reference, qk_prep_triton
+from strata.kernels.rmsnorm import add_rms_norm, add_rms_norm_triton, rms_norm, rms_norm_triton
+from strata.kernels.rope import apply_rope, apply_rope_triton, rope_cos_sin, rope_inv_freq
+
+DEV, BF16 = "cuda", torch.bfloat16
+BOUND = 2e-2  # relative error allowed for bfloat16 outputs against a float32 reference
+failures: list[str] = []
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+def report(name: str, err: float, bound: float = BOUND) -> None:
+    ok = err <= bound
+    if not ok:
+        failures.append(name)
+    print(f"{name:58} {err:10.2e}  (bound {bound:.0e})  {'ok' if ok else 'FAIL'}")
+
+
+def rand(*shape, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV) * scale).to(BF16)
+
+
+def check_linear() -> None:
+    for m, n, k in [(1, 5120, 2048), (8, 2048, 4096), (64, 128, 2048), (3, 151936, 2048)]:
+        x, w = rand(m, k), rand(n, k, scale=k**-0.5)
+        report(f"linear_triton M={m} N={n} K={k}", rel(linear_triton(x, w), F.linear(x.float(), w.float())))
+
+
+def check_norms_and_rope() -> None:
+    x, res, w = rand(33, 2048), rand(33, 2048), torch.rand(2048, device=DEV) + 0.5
+    report("rms_norm_triton [33, 2048]", rel(rms_norm_triton(x, w, 1e-6), rms_norm(x.float(), w, 1e-6)))
+    got, got_res = add_rms_norm_triton(x, res, w, 1e-6)
+    want, want_res = add_rms_norm(x.float(), res.float(), w, 1e-6)
+    report("add_rms_norm_triton (normed, residual)", max(rel(got, want), rel(got_res, want_res)))
+    for d, rot in [(128, 128), (256, 64)]:
+        q, pos = rand(17, 16, d), torch.arange(100, 117, device=DEV)
+        inv = rope_inv_freq(rot, 1e6, DEV)
+        want = apply_rope(q.float(), *rope_cos_sin(pos, inv, torch.float32))
+        report(f"apply_rope_triton D={d} rotary={rot}", rel(apply_rope_triton(q, pos, inv, rot), want))
+
+
+def check_qk_prep() -> None:
+    for h, hkv, d, rot, norm in [(32, 4, 128, 128, True), (16, 2, 256, 64, True), (32, 8, 64, 64, False)]:
+        r = 9
+        qkv = rand(r, (h + 2 * hkv) * d)
+        q = qkv[:, : h * d].reshape(r, h, d)
+        k = qkv[:, h * d : (h + hkv) * d].reshape(r, hkv, d)
+        v = qkv[:, (h + hkv) * d :].reshape(r, hkv, d)
+        norms = (torch.rand(d, device=DEV) + 0.5, torch.rand(d, device=DEV) + 0.5) if norm else (None, None)
+        pos = torch.randint(0, 60, (r,), device=DEV, dtype=torch.int32)
+        seq = torch.randperm(12, device=DEV)[:r].int()
+        inv = rope_inv_freq(rot, 1e6, DEV)
+        pools = [torch.zeros(12, 64, hkv, d, device=DEV, dtype=BF16) for _ in range(2)]
+        ref_pools = [p.clone() for p in pools]
+        want = qk_prep_reference(q, k, v, *norms, 1e-6, pos, inv, rot, *ref_pools, seq)
+        got = qk_prep_triton(q, k, v, *norms, 1e-6, pos, inv, rot, *pools, seq)
+        same = torch.equal(got, want) and torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])
+        report(f"qk_prep_triton H={h} Hkv={hkv} D={d} (bitwise vs separate kernels)", 0.0 if same else 1.0, 0.0)
+
+
+def check_moe() -> None:
+    for e, k, i, shared in [(128, 8, 768, False), (512, 10, 512, True)]:
+        h = 2048
+        router, gate_up = rand(e, h, scale=h**-0.5), rand(e, 2 * i, h, scale=h**-0.5)
+        down = rand(e, h, i, scale=i**-0.5)
+        sh = (rand(2 * i, h, scale=h**-0.5), rand(h, i, scale=i**-0.5)) if shared else None
+        sg = rand(1, h, scale=h**-0.5) if shared else None
+        logits = torch.randn(64, e, device=DEV)
+        weights, ids = route_triton(logits, k, True)
+        ref_w, ref_ids = route(logits, torch.eye(e, device=DEV), k, True)
+        ok = torch.equal(ids.long().sort(-1)[0], ref_ids.sort(-1)[0])
+        report(f"route_triton E={e} top-{k} (same experts)", 0.0 if ok else 1.0, 0.0)
+        for rows, tiles, name in [(1, None, "decode tiles"), (64, None, "decode tiles"), (2048, PROMPT_TILES, "prompt tiles")]:
+            x = rand(rows, h)
+            kw = {} if tiles is None else {"tiles": tiles}
+            linear = linear_triton if tiles is None else F.linear
+            got = moe_triton(x, router, gate_up, down, k, True, sh, sg, linear=linear, **kw)
+            want = moe(x.float(), router.float(), gate_up.float(), down.float(), k, True,
+                       None if sh is None else (sh[0].float(), sh[1].float()), None if sg is None else sg.float())
+            report(f"moe_triton E={e} top-{k} R={rows} {name}", rel(got, want))
+
+
+def check_attention() -> None:
+    for h, hkv, d in [(32, 4, 128), (16, 2, 256)]:
+        t = 1024
+        q, kc, vc = rand(t, h, d), rand(t, hkv, d), rand(t, hkv, d)
+        pos = torch.arange(t, device=DEV)
+        want = attention(q.float(), kc.float(), vc.float(), pos, d**-0.5)
+        report(f"prefill_attention_triton T={t} H={h} Hkv={hkv} D={d}", rel(prefill_attention_triton(q, kc, vc, pos, d**-0.5), want))
+        r, cells = 8, 700
+        kp, vp = rand(10, cells, hkv, d), rand(10, cells, hkv, d)
+        qd = rand(r, h, d)
+        seq = torch.randperm(10, device=DEV)[:r].int()
+        pos = torch.randint(1, cells, (r,), device=DEV, dtype=torch.int32)
+        got = decode_attention_triton(qd, kp, vp, seq, pos, d**-0.5)
+        want = torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(), vp[seq[j], : pos[j] + 1].float(),
+                                    pos[j : j + 1].long(), d**-0.5) for j in range(r)])
+        report(f"decode_attention_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells", rel(got, want))
+
+
+def check_gdn() -> None:
+    hk, hv, dk, dv, kk = 16, 32, 128, 128, 4
+    c = 2 * hk * dk + hv * dv
+    x, w, hist = rand(4096, c), rand(c, kk, scale=0.5), rand(kk - 1, c)
+    got, got_h = causal_conv1d_triton(x, w, hist)
+    want, want_h = causal_conv1d(x.float(), w.float(), hist.float())
+    report("causal_conv1d_triton T=4096", max(rel(got, want), rel(got_h, want_h)))
+    t = 4096
+    q = F.normalize(torch.randn(t, hk, dk, device=DEV), dim=-1).to(BF16)
+    k = F.normalize(torch.randn(t, hk, dk, device=DEV), dim=-1).to(BF16)
+    v, decay = rand(t, hv, dv), -torch.rand(t, hv, device=DEV) * 0.5
+    beta, state = torch.rand(t, hv, device=DEV).to(BF16), torch.randn(hv, dk, dv, device=DEV) * 0.1
+    got, got_s = gated_delta_rule_chunked_triton(q, k, v, decay, beta, state)
+    want, want_s = gated_delta_rule_chunked(q.float(), k.float(), v.float(), decay, beta.float(), state)
+    report("gated_delta_rule_chunked_triton T=4096", max(rel(got, want), rel(got_s, want_s)))
+    r, s = 6, 9
+    mixed, conv_pool = rand(r, c), rand(s, kk - 1, c)
+    rec_pool = torch.randn(s, hv, dk, dv, device=DEV) * 0.1
+    seq = torch.randperm(s, device=DEV)[:r].int()
+    dec, bet = -torch.rand(r, hv, device=DEV) * 0.5, torch.rand(r, hv, device=DEV).to(BF16)
+    conv_ref, rec_ref = conv_pool.clone(), rec_pool.clone()
+    got = gdn_decode_triton(mixed, w, conv_pool, rec_pool, seq, dec, bet, hk, hv, dk, dv)
+    outs = []
+    for j in range(r):
+        i = int(seq[j])
+        y, conv_ref[i] = causal_conv1d(mixed[j : j + 1].float(), w.float(), conv_ref[i].float())
+        qj, kj, vj = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        o, rec_ref[i] = gated_delta_rule_step(qj.reshape(1, hk, dk), kj.reshape(1, hk, dk), vj.reshape(1, hv, dv),
+                                             dec[j : j + 1], bet[j : j + 1].float(), rec_ref[i])
+        outs.append(o)
+    report(f"gdn_decode_triton R={r} (output, states)",
+           max(rel(got, torch.cat(outs)), rel(rec_pool[seq.long()], rec_ref[seq.long()]),
+               rel(conv_pool[seq.long()], conv_ref[seq.long()])))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
+    for check in (check_linear, check_norms_and_rope, check_qk_prep, check_moe, check_attention, check_gdn):
+        try:
+            check()
+        except Exception:  # noqa: BLE001 - one broken check must not hide the others
+            failures.append(check.__name__)
+            print(f"{check.__name__}: ERROR\n{traceback.format_exc(limit=3)}")
+    print(f"\n{'all kernels within their bounds' if not failures else 'FAILED: ' + ', '.join(failures)}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
