@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_table import print_kernel_table  # noqa: E402
+from gpu_timing import print_kernel_table  # noqa: E402
 
 
 def hf_model(shape: str, num_layers: int | None, device: str):

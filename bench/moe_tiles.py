@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_timing import gpu_seconds  # noqa: E402
 from shapes import shape  # noqa: E402
 
 from strata.kernels.moe import DECODE_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
@@ -33,29 +34,6 @@ CANDIDATES = [
 ]
 
 
-def seconds(fn, reps: int = 20, graph: bool = True) -> float:
-    """GPU seconds per call; replayed from a CUDA graph (as decode windows are), so launch costs stay out."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -68,7 +46,7 @@ def main() -> None:
     down = torch.randn(m.num_experts, h, m.expert_dim, device=dev, dtype=dt) / m.expert_dim**0.5
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    bw = src.numel() * 2 / seconds(lambda: dst.copy_(src), reps=10, graph=False)
+    bw = src.numel() * 2 / gpu_seconds(lambda: dst.copy_(src), reps=10)
     del src, dst
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
@@ -81,7 +59,7 @@ def main() -> None:
         floor = distinct * per_expert / bw
         for t in CANDIDATES:
             try:
-                sec = seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t))
+                sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20, graph=True)
             except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
                 print(f"{rows:4d} {str((t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)):>32} failed: "
                       f"{type(e).__name__}")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_table import print_kernel_table  # noqa: E402
+from gpu_timing import gpu_seconds, print_kernel_table  # noqa: E402
 from shapes import shape  # noqa: E402
 
 from strata.kernels.attention import prefill_attention_triton  # noqa: E402
@@ -65,19 +65,6 @@ def prompt_flops(spec, tokens: int) -> float:
         else:
             total += 2 * tokens * 3 * h * spec.dense_dim
     return total + 2 * h * spec.vocab_size  # the last row's logits
-
-
-def gpu_seconds(fn, reps: int = 10) -> float:
-    """Mean seconds of fn() on the GPU (CUDA events), after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def layer_parts(spec, tokens: int, rate: float) -> None:

@@ -1,10 +1,35 @@
-"""Where a GPU step's time goes: its kernels by GPU time (torch.profiler), for the benchmarks' tables."""
+"""GPU timing for the benchmarks: mean seconds of a call (CUDA events, optionally replayed from a CUDA graph as
+decode windows are), and where a step's time goes (its kernels by GPU time, from torch.profiler)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+
+def gpu_seconds(fn: Callable[[], object], reps: int = 10, graph: bool = False) -> float:
+    """Mean GPU seconds of fn() after warm-up calls; `graph`: replayed from a CUDA graph, so the launches' host
+    cost stays out (as for decode windows)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    run = fn
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        run = captured.replay
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def print_kernel_table(run: Callable[[], None], title: str, top: int = 15, steps: int = 1) -> None:
