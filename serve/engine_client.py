@@ -189,6 +189,7 @@ class EngineClient:
             self.facts = json.loads(line.split(" ", 1)[1])
             self.metrics.set_engine_facts(self.facts)
             self.metrics.set_parked(0, 0)  # a new engine process holds no parked conversation
+            self.metrics.expert_pairs(0, 0)  # and counts its expert pairs from 0
             self.ready.set()
             self._schedule()
         elif kind == "T" and self.solo is not None:
@@ -224,6 +225,8 @@ class EngineClient:
             self._schedule()
         elif kind == "PARKED":
             self.metrics.set_parked(_field(words, 1), _field(words, 2))
+        elif kind == "EXPERTS":
+            self.metrics.expert_pairs(_field(words, 1), _field(words, 2))
         elif kind == "ERR":
             log.warning("engine: %s", line)
             job = self._pending.popleft() if self._pending else None

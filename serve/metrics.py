@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
@@ -197,6 +197,12 @@ class _StrataCollector(Collector):
         for device, value in (facts["engine_facts"].get("expert_residency") or {}).items():
             family.add_metric(labels + [gpu_label(device)], float(value))
         yield family
+        pairs = CounterMetricFamily("strata:expert_pairs", "Routed (row, expert) pairs of the layers whose experts "
+                                    "are split with the CPU pool, by where they were computed",
+                                    labels=["model_name", "engine", "where"])
+        for where, count in facts["expert_pairs"].items():
+            pairs.add_metric(labels + [where], float(count))
+        yield pairs
 
 
 class Metrics:
@@ -220,6 +226,8 @@ class Metrics:
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
         self._parked = (0, 0)  # conversations parked in the engine's host RAM, their bytes
+        self._expert_pairs = {"device": 0, "cpu": 0}  # pooled layers' routed pairs, by where they ran, all engines
+        self._expert_pairs_seen = (0, 0)  # the running engine's last EXPERTS totals
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._token_events: deque[list] = deque()  # [monotonic time, tokens] for live_tok_s
@@ -364,6 +372,17 @@ class Metrics:
         with self._lock:
             self._parked = (conversations, nbytes)
 
+    def expert_pairs(self, on_device: int, on_cpu: int) -> None:
+        """The engine's EXPERTS running totals (pairs of its pooled layers computed on the device / by the CPU
+        pool); a total below the last one means a new engine process, which counts from 0."""
+        with self._lock:
+            last_device, last_cpu = self._expert_pairs_seen
+            if on_device < last_device or on_cpu < last_cpu:
+                last_device = last_cpu = 0
+            self._expert_pairs["device"] += on_device - last_device
+            self._expert_pairs["cpu"] += on_cpu - last_cpu
+            self._expert_pairs_seen = (on_device, on_cpu)
+
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Increments (tokens looked up, tokens found) since the last call, not running totals."""
         for prefix in ("", "gpu_"):
@@ -403,6 +422,7 @@ class Metrics:
                 "pipeline_groups": int(self._engine_facts.get("batch_groups", 0) or 0),
                 "parked_conversations": self._parked[0],
                 "parked_bytes": self._parked[1],
+                "expert_pairs": dict(self._expert_pairs),
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),

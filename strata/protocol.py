@@ -173,5 +173,9 @@ def parked(conversations: int, num_bytes: int) -> str:
     return f"PARKED {conversations} {num_bytes}"
 
 
+def experts(on_device: int, on_cpu: int) -> str:
+    return f"EXPERTS {on_device} {on_cpu}"
+
+
 def err(reason: str) -> str:
     return "ERR " + " ".join(reason.split())  # one line, whatever the message held

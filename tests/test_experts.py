@@ -176,6 +176,31 @@ def test_residency_facts(model, tmp_path):
     assert dense.expert_residency() == {"cpu": 1.0}
 
 
+def test_experts_events_report_where_the_pooled_pairs_ran(model):
+    """EXPERTS <on device> <on CPU>: running totals of the pooled layers' routed pairs, said once the engine goes
+    idle (and at most once a second while it runs); equal to the pools' own counts, both sides used."""
+    pooled = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)])
+    out: list[str] = []
+    sched = Scheduler(pooled, 4, out.append)
+    for i in range(4):
+        sched.handle(f"BGEN {i} 6 ignore_eos=1 " + " ".join(map(str, PROMPTS[i])))
+    while sched.busy:
+        sched.step()
+    sched.step()  # idle: the last totals are said
+    said = [tuple(map(int, line.split()[1:])) for line in out if line.startswith("EXPERTS ")]
+    total = sum(p.pairs_total for p in pools(pooled).values())
+    on_cpu = sum(p.pairs_here for p in pools(pooled).values())
+    assert said and said[-1] == (total - on_cpu, on_cpu)
+    assert on_cpu > 0 and total - on_cpu > 0
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(said, said[1:]))  # running totals
+    quiet: list[str] = []
+    full = Scheduler(model.full, 2, quiet.append)  # every expert resident: no pool, no EXPERTS event
+    full.handle("BGEN 0 4 ignore_eos=1 " + " ".join(map(str, PROMPTS[0])))
+    while full.busy:
+        full.step()
+    assert not [line for line in quiet if line.startswith("EXPERTS")]
+
+
 def test_residency_per_device_combines_the_stages_of_a_device(model):
     spec, e = model.spec, model.spec.moe.num_experts
     moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]

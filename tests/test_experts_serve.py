@@ -4,6 +4,7 @@ engine keeps half of each MoE layer's experts resident and answers requests with
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -76,5 +77,14 @@ def test_a_served_engine_with_the_pool_reports_its_residency_and_answers(tiny_mo
                 "ignore_eos": True})
             reply.raise_for_status()
             assert reply.json()["choices"][0]["text"].split() == [f"t{i}" for i in ids]
+        deadline = time.monotonic() + 10  # the engine says its totals once it is idle
+        while (pairs := httpx.get(server.url + "/metrics", timeout=10).json()["expert_pairs"])["cpu"] == 0:
+            assert time.monotonic() < deadline, pairs
+            time.sleep(0.2)
+        assert pairs["device"] > 0 and pairs["cpu"] > 0
+        scrape = httpx.get(server.url + "/metrics", headers={"Accept": "text/plain"}, timeout=10).text
+        samples = {s.labels["where"]: s.value for family in text_string_to_metric_families(scrape)
+                   for s in family.samples if s.name == "strata:expert_pairs_total"}
+        assert samples == {"device": pairs["device"], "cpu": pairs["cpu"]}
     finally:
         server.stop()

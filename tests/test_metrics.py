@@ -227,7 +227,7 @@ def test_json_facts(three):
     assert set(facts) == {
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
-        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes",
+        "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes", "expert_pairs",
         "gpu_util", "gpu_memory_used_bytes",
         "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"
@@ -363,3 +363,17 @@ def test_gpu_facts_from_nvml(monkeypatch):
               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
     assert values[("strata:gpu_util", "1")] == 41.0
     assert values[("strata:gpu_memory_total_bytes", "0")] == 141 * 2**30
+
+
+def test_expert_pairs_counter_follows_the_engine_totals_across_restarts():
+    """EXPERTS carries an engine's running totals; the counter adds their growth, and a total that drops (a new
+    engine process, counting from 0) adds the new totals instead of going back."""
+    from serve.metrics import Metrics
+
+    m = Metrics("m", 128, 2)
+    for device, cpu in [(10, 4), (15, 6), (3, 1)]:  # the third comes from a restarted engine
+        m.expert_pairs(device, cpu)
+    assert m.facts()["expert_pairs"] == {"device": 18, "cpu": 7}
+    body, _ = m.render("text/plain", None)
+    lines = [line for line in body.decode().splitlines() if line.startswith("strata:expert_pairs_total")]
+    assert 'where="device"} 18.0' in lines[0] and 'where="cpu"} 7.0' in lines[1]

@@ -15,7 +15,7 @@ from typing import TextIO
 from strata import protocol
 from strata.runtime.scheduler import Scheduler
 
-_CONTROL = ("GEN", "BGEN", "STOP", "BSTOP", "QUIT", "DONE", "BADM", "BDONE", "ERR", "READY", "PARKED")
+_CONTROL = ("GEN", "BGEN", "STOP", "BSTOP", "QUIT", "DONE", "BADM", "BDONE", "ERR", "READY", "PARKED", "EXPERTS")
 
 
 class Pipe:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Iterator
 
@@ -29,6 +30,9 @@ class Scheduler:
         self._solo: Iterator[tuple[int, str | None]] | None = None
         self._solo_counts = (0, 0, 0)  # prompt tokens, generated tokens, prompt tokens reused
         self._parked = (0, 0)  # the conversations and bytes the last PARKED event reported
+        self._pools = [p for stage in engine.stages for p in stage.forward.pools.values()]  # CPU expert pools
+        self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
+        self._experts_said = 0.0  # when (time.monotonic) that was
         self._solo_state = engine.new_state()
         self._in_flight: dict[int, SlotWindow] = {}  # group -> its launched window (pipelined groups)
 
@@ -72,7 +76,21 @@ class Scheduler:
             if isinstance(command, BGen):
                 self.emit(protocol.badm(command.slot, False))
         self._report_parking()
+        self._report_experts()
         return True
+
+    def _report_experts(self) -> None:
+        """Say EXPERTS (running totals of the pooled layers' routed pairs, computed on the device / on the CPU)
+        when they changed: at most once a second while windows run, and once more when the engine goes idle."""
+        if not self._pools:
+            return
+        total = sum(p.pairs_total for p in self._pools)
+        on_cpu = sum(p.pairs_here for p in self._pools)
+        counts = (total - on_cpu, on_cpu)
+        now = time.monotonic()
+        if counts != self._expert_pairs and (now - self._experts_said >= 1.0 or not self.busy):
+            self._expert_pairs, self._experts_said = counts, now
+            self.emit(protocol.experts(*counts))
 
     def _report_parking(self) -> None:
         """Say PARKED when the parked conversations or their bytes changed (admissions park and unpark them)."""
@@ -86,6 +104,10 @@ class Scheduler:
         return [s.state for s in self.slots.slots if not s.active] if self.slots else []
 
     def step(self) -> None:
+        self._step()
+        self._report_experts()
+
+    def _step(self) -> None:
         if self._solo is not None:
             self._advance_solo()
         if self.slots is None:
