@@ -68,6 +68,9 @@ class FakeMetrics:
             "prompt_tokens_total": 123456 + 100 * n,
             "generation_tokens_total": 98765 + 50 * n,
             "kv_cache_usage": 0.42,
+            "parked_conversations": 2,
+            "parked_bytes": 3_500_000,
+            "expert_pairs": {"device": 900, "cpu": 100},
             "gpu_util": {"0": 87.0, "1": 64.5},
             "latency": {
                 "ttft_s": {"p50": 0.1234, "p90": 0.25, "p99": 0.5},
@@ -204,6 +207,8 @@ def test_live_numbers_refresh_history_and_disconnect(fake_server, page):
     assert page.get_attribute("#status", "data-state") == "live"
     assert "disconnected" not in _text(page, "#status").lower()
     assert _text(page, "#slots").replace(" ", "") == "3/8"
+    assert _text(page, "#parked") == "parked in host RAM: 2 conversations, 3.5 MB"
+    assert _text(page, "#experts") == "expert pairs on the GPU: 90.0% (the CPU pool computed 100)"
     assert _text(page, "#requests-running") == "3"
     assert _text(page, "#requests-waiting") == "2"
     assert int(_text(page, "#requests-total").replace(",", "")) >= 41
