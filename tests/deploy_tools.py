@@ -21,6 +21,21 @@ CHART = REPO / "helm" / "strata"
 INSTALL = ".ci/install-deploy-tools"
 
 
+K8S_VERSIONS = ("1.28.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas
+
+
+def validate_k8s(obj: dict, where: str = "", versions: tuple[str, ...] = K8S_VERSIONS) -> None:
+    """Fail the test unless `obj` validates (strictly) against the Kubernetes schemas of every version."""
+    import kubernetes_validate  # installed by .ci/install-deploy-tools; the callers check that at import
+
+    for version in versions:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.utils.ValidationError as e:
+            pytest.fail(f"{where}{obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {e.message} at "
+                        f"{'.'.join(map(str, e.absolute_path))}")
+
+
 def tools_dir() -> Path:
     return Path(os.environ.get("STRATA_TOOLS_DIR", Path.home() / ".cache" / "strata-tools")) / "bin"
 

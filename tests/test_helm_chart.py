@@ -12,13 +12,11 @@ import yaml
 
 try:
     import jsonschema
-    import kubernetes_validate
+    import kubernetes_validate  # noqa: F401 - tests.deploy_tools.validate_k8s uses it
 except ImportError as e:  # never a skip: the deploy tests need their tools
     raise ImportError(f"{e}: run .ci/install-deploy-tools") from e
 
-from tests.deploy_tools import CHART, REPO, by_kind, helm_template, run, tool
-
-K8S_VERSIONS = ("1.28.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas
+from tests.deploy_tools import CHART, K8S_VERSIONS, REPO, by_kind, helm_template, run, tool, validate_k8s
 SERVER_ON = ["server.enabled=true"]
 MONITORING_ON = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "dashboards.enabled=true"]
 # The combinations docs/DEPLOY.md documents, as --set arguments.
@@ -120,12 +118,7 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered
         for obj in objects:
             if obj["kind"] in PROMETHEUS_OPERATOR_KINDS:
                 continue  # no schema in kubernetes-validate: checked field by field below
-            for version in K8S_VERSIONS:
-                try:
-                    kubernetes_validate.validate(obj, version, strict=True)
-                except kubernetes_validate.utils.ValidationError as e:
-                    pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: "
-                                f"{e.message} at {'.'.join(map(str, e.absolute_path))}")
+            validate_k8s(obj, f"{name}: ")
             checked.add(obj["kind"])
     assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount", "ClusterRole",
             "ClusterRoleBinding", "RoleBinding", "ConfigMap", "PersistentVolumeClaim"} <= checked
@@ -462,4 +455,4 @@ def test_schema_passes_through_kubernetes_blocks(tmp_path):
     assert server["spec"]["template"]["spec"]["affinity"] == values["server"]["affinity"]
     for obj in objects:
         if obj["kind"] not in PROMETHEUS_OPERATOR_KINDS:
-            kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+            validate_k8s(obj, versions=K8S_VERSIONS[-1:])

@@ -35,7 +35,7 @@ try:
     import kmock
     import kopf  # noqa: F401
     import kubernetes
-    import kubernetes_validate
+    import kubernetes_validate  # noqa: F401 - tests.deploy_tools.validate_k8s uses it
 except ImportError as e:  # never a skip: the operator tests need their packages
     raise ImportError(f"{e}: run .ci/install-operator-deps (and .ci/install-deploy-tools)") from e
 
@@ -48,9 +48,9 @@ from strata_operator.plan import plan  # noqa: E402
 from strata_operator.profiles import distribute, node_view, profiles, quantity  # noqa: E402
 from strata_operator.spec import Spec, StrataDeployment  # noqa: E402
 from strata_operator.status import build_status  # noqa: E402
+from tests.deploy_tools import validate_k8s  # noqa: E402
 from tests.kmock_emulator import ApiServer  # noqa: E402
 
-K8S_VERSIONS = ("1.28.0", "1.37.0")  # as tests/test_helm_chart.py: the chart's floor and the newest schemas
 CRD = REPO / "helm" / "strata" / "templates" / "crd-stratadeployment.yaml"
 H200, V100 = "NVIDIA-H200", "Tesla-V100-PCIE-16GB"
 QWEN3_NEXT = json.loads((DATA / "model-qwen3-next-80b-a3b.json").read_text())
@@ -102,15 +102,6 @@ def crd_schema() -> dict:
     """The CRD's openAPIV3Schema, read from the chart's template (its few template lines dropped)."""
     text = "\n".join(line for line in CRD.read_text().splitlines() if "{{" not in line)
     return yaml.safe_load(text)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def validate(obj: dict) -> None:
-    for version in K8S_VERSIONS:
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.utils.ValidationError as e:
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {e.message} at "
-                        f"{'.'.join(map(str, e.absolute_path))}")
 
 
 def children(resource_: StrataDeployment, nodes=None) -> list[dict]:
@@ -311,7 +302,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
     for spec in specs:
         objects = children(sd(**spec))
         for obj in objects:
-            validate(obj)
+            validate_k8s(obj)
             kinds.add(obj["kind"])
     assert kinds == {"ConfigMap", "Deployment", "Service"}
 
@@ -432,7 +423,7 @@ def test_the_documented_example_is_a_valid_resource_that_makes_the_documented_ch
     assert [d["spec"]["replicas"] for d in objects if d["kind"] == "Deployment"] == [2, 1]
     assert [p["name"] for p in status["profiles"]] == ["nvidia-h200-x2", "tesla-v100-pcie-16gb-x4"]
     for obj in objects:
-        validate(obj)
+        validate_k8s(obj)
 
 
 # ---------------------------------------------------------------------------------------------- end to end
