@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -122,10 +123,8 @@ def check_against_float32(shape_name: str, ids: list[int], layers: int = 4) -> N
     spec = shape(shape_name, layers)
     weights = random_stage_weights(spec, range(spec.num_layers), torch.device("cuda"), torch.float32)
     as_bf16 = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 and t.dim() > 1 else t  # noqa: E731
-    low = random_stage_weights(spec, range(spec.num_layers), torch.device("cuda"), torch.bfloat16)
-    for i, tensors in weights.layers.items():  # the same values, rounded to bf16 (norm weights stay float32)
-        low.layers[i] = {k: as_bf16(v) for k, v in tensors.items()}
-    low.embed, low.lm_head = as_bf16(weights.embed), as_bf16(weights.lm_head)
+    low = replace(weights, layers={i: {k: as_bf16(v) for k, v in tensors.items()} for i, tensors in weights.layers.items()},
+                  embed=as_bf16(weights.embed), lm_head=as_bf16(weights.lm_head))  # the same values in bf16 (norms stay)
     runs = {}
     for name, dtype, w, kernels in [("float32 torch", torch.float32, weights, "torch"),
                                     ("bf16 torch", torch.bfloat16, low, "torch"),
