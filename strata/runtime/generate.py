@@ -172,11 +172,10 @@ class Engine:
     def _sample(self, logits: torch.Tensor, params: SamplingParams, position: int, history: list[int], n_prompt: int) -> int:
         if params.is_greedy and not params.has_penalties:
             return int(torch.argmax(logits[0]))
-        positions = torch.tensor([position], dtype=torch.int64, device=logits.device)
         seen = counts = None
         if params.has_penalties:
             vocab = logits.shape[-1]
             as_row = lambda ids: torch.tensor([ids or [-1]], dtype=torch.int64, device=logits.device)  # noqa: E731
             seen = token_counts(as_row(history[:n_prompt]), vocab) > 0
             counts = token_counts(as_row(history[n_prompt:]), vocab)
-        return int(sample(logits, [params], positions, seen, counts)[0])
+        return int(sample(logits, [params], [position], seen, counts)[0])

@@ -137,12 +137,12 @@ def apply_penalties(
 def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
-    positions: Tensor,
+    positions: Tensor | Sequence[int],
     seen_prompt: Tensor | None = None,
     generated_counts: Tensor | None = None,
 ) -> Tensor:
-    """logits [R, V] float; params one per row (already validated); positions int64 [R], the
-    position the sampled token will take. Penalty inputs as in `apply_penalties`.
+    """logits [R, V] float; params one per row (already validated); positions int64 [R] (or the ints, made a
+    tensor only when some row samples), the position the sampled token will take. Penalty inputs as in `apply_penalties`.
 
     Returns token ids int64 [R]. Greedy rows: argmax. Sampled rows: logits / temperature, softmax in
     float32, keep the top_k, then the smallest prefix of the sorted probabilities whose mass reaches
@@ -179,6 +179,8 @@ def sample(
     probs = probs.masked_fill(~keep, 0.0)
 
     cum = probs.cumsum(dim=-1)  # [R, V]
+    if not isinstance(positions, Tensor):
+        positions = row_tensor(list(positions), torch.int64, device)
     u = philox_uniform(seed, positions.to(torch.int64))
     target = (u * cum[:, -1])[:, None]
     pick = torch.searchsorted(cum, target, right=True)  # first rank whose cumulative mass exceeds u

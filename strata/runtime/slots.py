@@ -16,7 +16,7 @@ import torch
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.window import Window, row_tensor
+from strata.runtime.window import Window
 from strata.state.session import SessionState
 
 
@@ -169,7 +169,7 @@ class Slots:
         """Sample one token per row, record it in its slot, and end the slots that are done."""
         indices = [indices] if isinstance(indices, int) else indices
         slots = [self.slots[i] for i in indices]
-        positions = row_tensor([s.state.length for s in slots], torch.int64, logits.device)
+        positions = [s.state.length for s in slots]  # a tensor only if some row samples (not for greedy rows)
         seen = counts = None
         if any(s.params.has_penalties for s in slots):
             vocab = logits.shape[-1]
