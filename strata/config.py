@@ -81,6 +81,10 @@ class EngineSettings(StrataSettings):
     split_device: str | None = Field(None, description="put every stage of --layer-split on this one device (testing)")
     batch_groups: int = Field(1, ge=1, description="slot groups pipelined through the stages of --layer-split")
     trim_stage_weights: bool = Field(False, description="each stage loads only its own layers' tensors")
+    lookahead: int | None = Field(
+        None, ge=0, le=1, description="batch windows each slot group launches ahead of the one the host reads "
+        "(1: the next window's tokens stay on the device, so the host works while it computes); default 1 on a GPU, 0 on the CPU"
+    )
     expert_budget_gb: str | None = Field(
         None, description="GB of routed experts each card keeps resident, per stage (e.g. 10,10,12,12)"
     )
@@ -117,7 +121,8 @@ class EngineSettings(StrataSettings):
             except ValueError:
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
-                    trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads)
+                    trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
+                    lookahead=self.lookahead)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

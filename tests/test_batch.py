@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from strata.errors import StrataError
@@ -28,14 +26,10 @@ def engine(request, tmp_path_factory):
 
 
 def drain(slots, sync: bool = True) -> dict[int, list[int]]:
+    """Every event until the slots are idle: one window at a time (sync), or stepping with windows in flight."""
     out: dict[int, list[int]] = {}
-    while slots.active:
-        if sync:
-            events = slots.commit_slots(slots.run_slots())
-        else:
-            sw = slots.batch_launch()
-            while (events := slots.batch_poll(sw)) is None:
-                time.sleep(1e-4)  # the host is free meanwhile (a pipeline serves other stages here)
+    while slots.active or slots.in_flight:
+        events = slots.commit_slots(slots.run_slots()) if sync else slots.step()
         for e in events:
             out.setdefault(e.slot, []).append(e.token)
     return out
@@ -86,24 +80,62 @@ SAMPLED = [
 ]
 
 
-def test_sampled_answers_do_not_depend_on_neighbours(engine):
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_sampled_answers_do_not_depend_on_neighbours(engine, lookahead):
     solo = [engine.generate(prompt(i), 40, p, stop_ids=NO_STOP).ids for i, p in enumerate(SAMPLED)]
-    slots = engine.init_slots(len(SAMPLED))
+    slots = engine.init_slots(len(SAMPLED), lookahead=lookahead)
     first = {i: slots.admit(i, prompt(i), 40, p, stop_ids=NO_STOP).token for i, p in enumerate(SAMPLED)}
     rest = drain(slots, sync=False)
     assert [[first[i], *rest[i]] for i in range(len(SAMPLED))] == solo
 
 
-def test_stop_tokens_and_length_end_a_slot(engine):
-    ids = engine.generate(prompt(2), 12, stop_ids=NO_STOP).ids
-    slots = engine.init_slots(2)
-    events = [slots.admit(0, prompt(2), 12, stop_ids=frozenset({ids[5]})), slots.admit(1, prompt(2), 3, stop_ids=NO_STOP)]
-    while slots.active:
-        events += slots.commit_slots(slots.run_slots())
+@pytest.mark.parametrize("lookahead", [None, 0, 1], ids=["sync", "step", "lookahead"])
+def test_stop_tokens_and_length_end_a_slot(engine, lookahead):
+    ids = engine.generate(prompt(2), 40, stop_ids=NO_STOP).ids
+    stop = next(ids[j] for j in range(2, 40) if ids[j] not in ids[:j])  # a token first sampled by a batch window
+    slots = engine.init_slots(3, lookahead=lookahead or 0)
+    cells = len(prompt(2)) + 4  # room for the prompt and 4 more positions: the 4th token ends it ("length")
+    slots.slots[2].state.max_cells = cells
+    events = [slots.admit(0, prompt(2), 40, stop_ids=frozenset({stop})), slots.admit(1, prompt(2), 3, stop_ids=NO_STOP),
+              slots.admit(2, prompt(2), 40, stop_ids=NO_STOP)]
+    while slots.active or slots.in_flight:
+        events += slots.commit_slots(slots.run_slots()) if lookahead is None else slots.step()
     done = {e.slot: e for e in events if e.finish_reason}
-    assert done[0].finish_reason == "stop" and done[0].token == ids[5]
-    assert done[1].finish_reason == "length"
-    assert slots.slots[0].generated == ids[: ids.index(ids[5]) + 1]
+    assert done[0].finish_reason == "stop" and done[0].token == stop
+    assert done[1].finish_reason == "length" and done[2].finish_reason == "length"
+    stop_at = ids.index(stop) + 1
+    assert slots.slots[0].generated == ids[:stop_at]
+    assert slots.slots[1].generated == ids[:3] and slots.slots[2].generated == ids[:4]
+    assert [len([e for e in events if e.slot == i]) for i in range(3)] == [stop_at, 3, 4]  # one event per token
+    for slot in slots.slots:  # a state holds exactly the tokens it has read, whatever ran ahead of the host
+        state = slot.state
+        assert state.length == len(state.tokens) and state.tokens == (prompt(2) + ids)[: state.length]
+        assert state.length <= cells or slot is not slots.slots[2]
+    # what ran ahead: behind a stop token one more row (it read the stop token); nothing past max_new or max_cells
+    assert slots.slots[0].state.length == len(prompt(2)) + stop_at - (0 if lookahead == 1 else 1)
+    assert slots.slots[1].state.length == len(prompt(2)) + 2 and slots.slots[2].state.length == len(prompt(2)) + 3
+
+
+def test_lookahead_batches_equal_solo_with_staggered_admissions(engine):
+    """Windows launched ahead of the host (their tokens fed on the device): admissions and stops flush them, a
+    conversation continues exactly as alone, and a flushed slot's state is what its tokens say."""
+    slots = engine.init_slots(4, lookahead=1)
+    got = {0: [slots.admit(0, prompt(0), 50, stop_ids=NO_STOP).token], 1: [slots.admit(1, prompt(1), 50, stop_ids=NO_STOP).token]}
+    for step in range(30):
+        if step == 7:
+            with pytest.raises(StrataError, match="in flight"):
+                slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)
+            for e in slots.flush():
+                got[e.slot].append(e.token)
+            assert not slots.in_flight
+            got[2] = [slots.admit(2, prompt(5), 50, stop_ids=NO_STOP).token]
+        for e in slots.step():
+            got[e.slot].append(e.token)
+    for slot, tokens in drain(slots, sync=False).items():
+        got[slot] += tokens
+    assert got[0] == engine.generate(prompt(0), 50, stop_ids=NO_STOP).ids
+    assert got[1] == engine.generate(prompt(1), 50, stop_ids=NO_STOP).ids
+    assert got[2] == engine.generate(prompt(5), 50, stop_ids=NO_STOP).ids
 
 
 def test_admission_errors(engine):
@@ -143,3 +175,41 @@ def test_a_solo_run_moved_into_a_slot_continues_exactly(engine, params):
     rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
     assert out[-1] == f"BDONE 1 length {len(prompt(4))} 60"
     assert solo + rest == engine.generate(prompt(4), 60, params, stop_ids=NO_STOP).ids
+
+
+def test_scheduler_with_lookahead_stops_and_readmits_a_slot(engine):
+    """The engine process's loop with windows in flight: BSTOP reads them first (their tokens are sent before the
+    BDONE, none after), the slot's state is whole, and a new conversation in it reuses its prefix and runs as alone."""
+    from strata.runtime.scheduler import Scheduler
+
+    out: list[str] = []
+    saved, engine.lookahead = engine.lookahead, 1
+    try:
+        sched = Scheduler(engine, 2, out.append)
+    finally:
+        engine.lookahead = saved
+    assert sched.slots.lookahead == 1
+    sched.handle(f"BGEN 0 60 ignore_eos=1 {' '.join(map(str, prompt(2)))}")
+    sched.handle(f"BGEN 1 40 ignore_eos=1 {' '.join(map(str, prompt(3)))}")
+    for _ in range(6):
+        sched.step()
+    assert sched.slots.in_flight
+    sched.handle("BSTOP 0")
+    assert not sched.slots.in_flight
+    first = [int(line.split()[2]) for line in out if line.startswith("BT 0 ")]
+    assert out[-1] == f"BDONE 0 abort {len(prompt(2))} {len(first)}"
+    assert first == engine.generate(prompt(2), len(first), stop_ids=NO_STOP).ids
+    state = sched.slots.slots[0].state
+    assert state.tokens == (prompt(2) + first)[: state.length] and state.length == len(state.tokens)
+    held = state.length
+    follow_up = prompt(2) + first + prompt(4)
+    sched.handle(f"BGEN 0 30 ignore_eos=1 {' '.join(map(str, follow_up))}")
+    assert sched.slots.reused == held  # the whole state: every token it read is in the follow-up
+    mark = len(out)
+    while sched.busy:
+        sched.step()
+    again = [int(line.split()[2]) for line in out[mark - 1 :] if line.startswith("BT 0 ")]
+    assert again == engine.generate(follow_up, 30, stop_ids=NO_STOP).ids
+    rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
+    assert rest == engine.generate(prompt(3), 40, stop_ids=NO_STOP).ids
+    assert f"BDONE 1 length {len(prompt(3))} 40" in out and out[-1] == f"BDONE 0 length {len(follow_up)} 30"

@@ -41,20 +41,24 @@ def batched(engine: Engine, n: int = 4) -> list[list[int]]:
     return [[int(line.split()[2]) for line in out if line.startswith(f"BT {i} ")] for i in range(n)]
 
 
-@pytest.mark.parametrize("split", SPLITS)
-def test_split_solo_and_batched_equal_one_stage(model, split):
+@pytest.mark.parametrize(("split", "lookahead"), [(s, 0) for s in SPLITS] + [("1,1,2", 1)])
+def test_split_solo_and_batched_equal_one_stage(model, split, lookahead):
     files, solo = model
-    engine = Engine(files, max_cells=256, layer_split=split, trim_stage_weights=True)
+    engine = Engine(files, max_cells=256, layer_split=split, trim_stage_weights=True, lookahead=lookahead)
     assert [len(s.layers) for s in engine.stages] == [int(c) for c in split.split(",")]
     assert engine.generate(prompt(0), NEW, stop_ids=frozenset()).ids == solo[0]
     assert batched(engine) == solo
 
 
-@pytest.mark.parametrize(("split", "groups", "trim"), [("2,2", 2, True), ("1,1,2", 2, False), ("1,1,1,1", 4, True),
-                                                       ("1,1,1,1", 2, False)])
-def test_pipelined_groups_equal_one_stage(model, split, groups, trim):
+@pytest.mark.parametrize(("split", "groups", "trim", "lookahead"), [
+    ("2,2", 2, True, 0), ("1,1,2", 2, False, 0), ("1,1,1,1", 4, True, 0), ("1,1,1,1", 2, False, 0),
+    ("2,2", 2, True, 1), ("1,1,1,1", 4, False, 1)])
+def test_pipelined_groups_equal_one_stage(model, split, groups, trim, lookahead):
+    """lookahead 1: each group's next window is launched before its window in flight is read, its tokens fed
+    from that window in the first stage's worker."""
     files, solo = model
-    engine = Engine(files, max_cells=256, layer_split=split, batch_groups=groups, trim_stage_weights=trim)
+    engine = Engine(files, max_cells=256, layer_split=split, batch_groups=groups, trim_stage_weights=trim,
+                    lookahead=lookahead)
     assert batched(engine) == solo
 
 

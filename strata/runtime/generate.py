@@ -37,7 +37,7 @@ class Engine:
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
-                 park_gb: float | None = None):
+                 park_gb: float | None = None, lookahead: int | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off)."""
         self.files = files
@@ -47,6 +47,7 @@ class Engine:
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
         self.batch_groups = batch_groups
+        self.lookahead = lookahead  # batch windows a slot group runs ahead of the one read (strata.runtime.slots)
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
@@ -90,11 +91,11 @@ class Engine:
         """One window through every stage; the logits of its logit rows."""
         return self.pipeline(window)
 
-    def init_slots(self, num_slots: int) -> "Slots":
+    def init_slots(self, num_slots: int, lookahead: int | None = None) -> "Slots":
         """Batch slots that decode several sequences together (see `strata.runtime.slots`)."""
         from strata.runtime.slots import Slots
 
-        return Slots(self, num_slots, self.batch_groups)
+        return Slots(self, num_slots, self.batch_groups, self.lookahead if lookahead is None else lookahead)
 
     def new_state(self) -> SessionState:
         return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype,

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Iterator
 
 from strata import protocol
 from strata.errors import StrataError
 from strata.protocol import BGen, BStop, Gen, ProtocolError, Quit, Request, Stop
 from strata.runtime.generate import Engine
-from strata.runtime.slots import Event, SlotWindow
+from strata.runtime.slots import Event
 
 log = logging.getLogger("strata.engine")
 
@@ -34,11 +33,10 @@ class Scheduler:
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
         self._solo_state = engine.new_state()
-        self._in_flight: dict[int, SlotWindow] = {}  # group -> its launched window (pipelined groups)
 
     @property
     def busy(self) -> bool:
-        return self._solo is not None or bool(self.slots and self.slots.active) or bool(self._in_flight)
+        return self._solo is not None or bool(self.slots and (self.slots.active or self.slots.in_flight))
 
     def facts(self) -> dict:
         spec = self.engine.spec
@@ -110,32 +108,13 @@ class Scheduler:
     def _step(self) -> None:
         if self._solo is not None:
             self._advance_solo()
-        if self.slots is None:
-            return
-        if len(self.slots.groups) == 1:
-            if self.slots.active:
-                self._emit_slot_events(self.slots.commit_slots(self.slots.run_slots()))
-            return
-        # pipelined groups: keep one window in flight per group; collect those that finished
-        for g in range(len(self.slots.groups)):
-            if g not in self._in_flight and (sw := self.slots.batch_launch(g)) is not None:
-                self._in_flight[g] = sw
-        if self._in_flight:
-            wait([sw.future for sw in self._in_flight.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-        self._collect()
-
-    def _collect(self) -> None:
-        for g, sw in list(self._in_flight.items()):
-            events = self.slots.batch_poll(sw)
-            if events is not None:
-                del self._in_flight[g]
-                self._emit_slot_events(events)
+        if self.slots is not None:
+            self._emit_slot_events(self.slots.step())
 
     def _drain(self) -> None:
-        """Finish every window in flight (before a slot changes hands)."""
-        if self._in_flight:
-            wait([sw.future for sw in self._in_flight.values()])
-            self._collect()
+        """Read every window in flight (before a slot changes hands or a solo run looks at idle slots)."""
+        if self.slots is not None:
+            self._emit_slot_events(self.slots.flush())
 
     # solo path
 
@@ -153,6 +132,7 @@ class Scheduler:
         if request.max_new == 0:
             self.emit(protocol.done("length", len(request.ids), 0, 0))
             return
+        self._drain()  # an idle slot may still have a row in flight
         reused = self.engine.reuse(self._solo_state, request.ids, self._idle_slot_states())
         self._solo_counts = (len(request.ids), 0, reused)
         self._solo = self.engine.stream(request.ids, request.max_new, request.params, self._stops(request),

@@ -4,19 +4,28 @@ Each slot owns a `SessionState` carved like the solo one. A slot's prompt is rea
 (a prompt window of its own), then every batch window holds one row per active slot, so the weights are
 read once for all of them. Rows compute exactly as a solo decode row does (row-invariant products, the
 same per-row sampling keyed by (seed, position)), so a conversation gets the same tokens alone or batched.
+
+Stepping (`step`) keeps windows in flight and reads them in launch order. With `lookahead` 1 (the default on a
+GPU) each group's next window is launched before its window in flight is read: its input tokens are that
+window's sampled tokens, still on the device, so the host builds, launches and reads while the device computes
+and the device never waits for the host. A conversation that ends on a stop token has had one more row launched
+behind it: that row is computed and committed (the state then holds the stop token too, as the tokens it has
+read say) and gives no event. Rows that certainly end (max_new, max_cells) are not launched.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.window import Window
+from strata.runtime.window import Window, row_tensor
 from strata.state.session import SessionState
 
 
@@ -48,18 +57,25 @@ class Event:
 
 @dataclass
 class SlotWindow:
-    """A launched batch window: its rows (one per slot in `slots`) and, once run, their logits."""
+    """A launched batch window: its rows (one per slot in `slots`) and, once run, their logits and tokens."""
 
     window: Window
     slots: list[int]
     logits: torch.Tensor | None = None
-    future: Future | None = None
+    future: Future | None = None  # the pipeline's (pipelined groups): done once every stage has queued its share
+    group: int = 0
+    sampled: torch.Tensor | None = None  # [R] int64 on the last stage's device: each row's next token
+    host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
+    copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
+    feed: Callable[[], torch.Tensor] | None = None  # makes `window.tokens` from the window before (pipelined groups)
 
 
 class Slots:
     """`init_slots` makes these; `run_slots` + `commit_slots` step synchronously, `batch_launch` + `batch_poll` without blocking."""
 
-    def __init__(self, engine: Engine, num_slots: int, num_groups: int = 1):
+    def __init__(self, engine: Engine, num_slots: int, num_groups: int = 1, lookahead: int | None = None):
+        """`lookahead`: windows a group launches beyond the one the host reads next (0 or 1; default 1 on a GPU,
+        where it lets the host work while the device computes, and 0 on the CPU, where the host computes)."""
         if not 1 <= num_slots <= 256:
             raise StrataError(f"--batch {num_slots}: the number of slots must be between 1 and 256")
         if not 1 <= num_groups <= num_slots:
@@ -70,6 +86,12 @@ class Slots:
         bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
+        if lookahead is None:
+            lookahead = 1 if engine.device.type == "cuda" else 0
+        if lookahead not in (0, 1):
+            raise StrataError(f"lookahead {lookahead}: a group runs at most one window ahead (0 or 1)")
+        self.lookahead = lookahead
+        self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -96,6 +118,8 @@ class Slots:
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it (BSTOP) and wait for its BDONE first")
+        if self._flight:
+            raise StrataError("batch windows are in flight: read them (flush) before admitting a conversation")
         if not 0 <= resumed < len(prompt_ids):
             raise StrataError(f"resume={resumed}: it must leave at least one prompt token")
         if max_new <= resumed:
@@ -123,16 +147,24 @@ class Slots:
         return self._take(index, logits[-1:])[0]
 
     def stop(self, index: int) -> bool:
-        """Free a slot now; False when it was not active."""
+        """Free a slot now; False when it was not active. Its rows in windows still in flight are committed when
+        read and give no event."""
         slot = self.check_slot(index)
         was_active, slot.active = slot.active, False
         return was_active
 
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._flight)
+
+    # synchronous stepping (tests, calibration): one window, run and committed
+
     def run_slots(self) -> SlotWindow | None:
         """Run one batch window over the active slots (None when none is active)."""
-        sw = self._build()
+        assert not self._flight, "run_slots with windows in flight: flush them first"
+        sw = self._build_window(self.active, [None] * len(self.active), None)
         if sw is not None:
-            sw.logits = self._forward(sw.window)
+            sw.logits = self.engine.forward(sw.window)
         return sw
 
     def commit_slots(self, sw: SlotWindow) -> list[Event]:
@@ -140,55 +172,141 @@ class Slots:
         sw.window.commit()
         return self._take(sw.slots, sw.logits)
 
-    def batch_launch(self, group: int | None = None) -> SlotWindow | None:
-        """Start a batch window over the active slots (of one group) on the stages' workers; return at once."""
-        sw = self._build(group)
-        if sw is not None:
-            sw.future = self.engine.pipeline.launch(sw.window)
+    # stepping with windows in flight (the scheduler, benchmarks)
+
+    def step(self) -> list[Event]:
+        """Launch every window that may run now (each group keeps up to 1 + lookahead in flight), then read the
+        oldest window in flight and return its events (none when nothing runs). Blocks only for that window."""
+        for g in range(len(self.groups)):
+            while sum(sw.group == g for sw in self._flight) <= self.lookahead and self._launch(g):
+                pass
+        return self._read(self._flight.popleft()) if self._flight else []
+
+    def flush(self) -> list[Event]:
+        """Read every window in flight (before a slot changes hands); their events in launch order."""
+        events = []
+        while self._flight:
+            events += self._read(self._flight.popleft())
+        return events
+
+    def _launch(self, group: int) -> bool:
+        """Launch the group's next window; False when it has no row to run. A slot with a row in the group's
+        latest window in flight takes that row's sampled token as input (on the device); the others (none, once
+        a group is running) take their last token from the host."""
+        latest = next((sw for sw in reversed(self._flight) if sw.group == group), None)
+        pending = {i: j for j, i in enumerate(latest.slots)} if latest else {}
+        rows = [i for i in self.groups[group] if self.slots[i].active and not (i in pending and self._ends_after_pending(i))]
+        if not rows:
+            return False
+        sw = self._build_window(rows, [pending.get(i) for i in rows], latest, group)
+        window = sw.window
+        params = [self.slots[i].params for i in rows]
+        positions = [p + 1 for p in window.host[1]]  # the position each sampled token will take
+
+        def then(logits: torch.Tensor) -> None:  # on the last stage's device (its worker, for pipelined groups)
+            sw.logits = logits
+            sw.sampled = self._sample(rows, logits, params, positions)
+            if sw.sampled.device.type == "cuda":
+                sw.host = torch.empty(sw.sampled.shape, dtype=sw.sampled.dtype, pin_memory=True)
+                sw.host.copy_(sw.sampled, non_blocking=True)
+                sw.copied = torch.cuda.Event()
+                sw.copied.record(torch.cuda.current_stream(sw.sampled.device))
+            else:
+                sw.host = sw.sampled
+
+        if len(self.groups) == 1:
+            then(self.engine.forward(window))
+        else:
+            sw.future = self.engine.pipeline.launch(window, tokens=sw.feed, then=then)
+        for i in rows:  # the row's position is the state's now; its token joins `state.tokens` when read
+            self.slots[i].state.length += 1
+        self._flight.append(sw)
+        return True
+
+    def _ends_after_pending(self, index: int) -> bool:
+        """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
+        slot = self.slots[index]
+        return len(slot.generated) + 1 >= slot.max_new or slot.state.length + 1 >= slot.state.max_cells
+
+    def _build_window(self, rows: list[int], fed: list[int | None], latest: SlotWindow | None,
+                      group: int = 0) -> SlotWindow | None:
+        """A decode window over `rows`; fed[j] is the row of `latest` whose sampled token is row j's input, or
+        None where the slot's last token is on the host."""
+        if not rows:
+            return None
+        parts = [(self.slots[i].state, [self.slots[i].next_token if f is None else 0], False) for i, f in zip(rows, fed)]
+        window = Window.build(parts, self.engine.device)
+        sw = SlotWindow(window, rows, group=group)
+        if all(f is None for f in fed):
+            return sw
+        host_tokens = window.host[0]
+
+        def feed() -> torch.Tensor:
+            sampled = latest.sampled if latest.future is None else (latest.future.result(), latest.sampled)[1]
+            if fed == list(range(len(latest.slots))):
+                return sampled
+            index = [0 if f is None else f for f in fed]
+            tokens = sampled[row_tensor(index, torch.int64, sampled.device)]
+            if any(f is None for f in fed):  # a slot that joined the group since (not after a flush: rare)
+                host = row_tensor(host_tokens, torch.int64, sampled.device)
+                tokens = torch.where(row_tensor([f is None for f in fed], torch.bool, sampled.device), host, tokens)
+            return tokens
+
+        if len(self.groups) == 1:
+            sw.window = replace(window, tokens=feed(), host=(None, *window.host[1:]))
+        else:  # the latest window's tokens exist once its last stage has run: fed in the first stage's worker
+            sw.window = replace(window, tokens=None, host=(None, *window.host[1:]))
+            sw.feed = feed
         return sw
 
-    def batch_poll(self, sw: SlotWindow) -> list[Event] | None:
-        """The window's events once it has run (committing it), None while it still runs. Never blocks."""
-        if not sw.future.done():
-            return None
-        sw.logits = sw.future.result()
-        return self.commit_slots(sw)
+    def _read(self, sw: SlotWindow) -> list[Event]:
+        """Wait for the window's tokens, commit its rows and record each active slot's token."""
+        if sw.future is not None:
+            sw.future.result()
+        if sw.copied is not None:
+            sw.copied.synchronize()
+        for i in sw.slots:
+            self.slots[i].state.tokens.append(self.slots[i].next_token)
+        return self._record(sw.slots, sw.host.tolist(), [p + 1 for p in sw.window.host[1]])
 
-    @torch.inference_mode()
-    def _forward(self, window: Window) -> torch.Tensor:
-        return self.engine.forward(window)
-
-    def _build(self, group: int | None = None) -> SlotWindow | None:
-        active = [i for i in self.active if group is None or i in self.groups[group]]
-        if not active:
-            return None
-        parts = [(self.slots[i].state, [self.slots[i].next_token], False) for i in active]
-        return SlotWindow(Window.build(parts, self.engine.device), active)
-
-    def _take(self, indices: int | list[int], logits: torch.Tensor) -> list[Event]:
-        """Sample one token per row, record it in its slot, and end the slots that are done."""
-        indices = [indices] if isinstance(indices, int) else indices
+    def _sample(self, indices: list[int], logits: torch.Tensor, params: list[SamplingParams],
+                positions: list[int]) -> torch.Tensor:
+        """Each row's next token, on the device (no host sync); the penalty counts of its slot count it."""
         slots = [self.slots[i] for i in indices]
-        positions = [s.state.length for s in slots]  # a tensor only if some row samples (not for greedy rows)
         seen = counts = None
-        if any(s.params.has_penalties for s in slots):
+        if any(p.has_penalties for p in params):
             vocab = logits.shape[-1]
             none_b = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             none_c = torch.zeros(vocab, dtype=torch.int32, device=logits.device)
             seen = torch.stack([s.seen_prompt if s.seen_prompt is not None else none_b for s in slots])
             counts = torch.stack([s.counts if s.counts is not None else none_c for s in slots])
-        tokens = sample(logits, [s.params for s in slots], positions, seen, counts).tolist()
+        tokens = sample(logits, params, positions, seen, counts)
+        for j, s in enumerate(slots):
+            if s.counts is not None:
+                s.counts.index_add_(0, tokens[j : j + 1], torch.ones(1, dtype=torch.int32, device=tokens.device))
+        return tokens
+
+    def _take(self, indices: int | list[int], logits: torch.Tensor) -> list[Event]:
+        """Sample one token per row now (the host waits for it) and record it."""
+        indices = [indices] if isinstance(indices, int) else indices
+        slots = [self.slots[i] for i in indices]
+        lengths = [s.state.length for s in slots]
+        tokens = self._sample(indices, logits, [s.params for s in slots], lengths)
+        return self._record(indices, tokens.tolist(), lengths)
+
+    def _record(self, indices: list[int], tokens: list[int], lengths: list[int]) -> list[Event]:
+        """Give each active slot its token and end the slots that are done. lengths[j]: the positions slot j held
+        once the row that sampled its token was committed (later rows may be in flight)."""
         events = []
-        for i, slot, token in zip(indices, slots, tokens):
-            if not slot.active:  # stopped while its window was in flight: the row is dropped
+        for i, token, length in zip(indices, tokens, lengths):
+            slot = self.slots[i]
+            if not slot.active:  # stopped, or ended by its previous token, while this row was in flight
                 continue
             slot.generated.append(token)
-            if slot.counts is not None:
-                slot.counts[token] += 1
             reason = None
             if token in slot.stop_ids:
                 reason = "stop"
-            elif len(slot.generated) >= slot.max_new or slot.state.length + 1 >= slot.state.max_cells:
+            elif len(slot.generated) >= slot.max_new or length + 1 >= slot.state.max_cells:
                 reason = "length"
             if reason:
                 slot.active = False

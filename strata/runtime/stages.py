@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -154,16 +155,26 @@ class Pipeline:
             sent = self._stage(stage, window.on(stage.device), sent)
         return self._finish(sent)
 
-    def launch(self, window: Window) -> Future:
-        """Queue the window on every stage's worker in turn; the returned future holds its logits."""
+    def launch(self, window: Window, tokens: Callable[[], torch.Tensor] | None = None,
+               then: Callable[[torch.Tensor], None] | None = None) -> Future:
+        """Queue the window on every stage's worker in turn; the returned future holds its logits. `tokens`, when
+        given, makes the window's input tokens in the first stage's worker (they may come from a window still
+        being queued); `then` runs in the last stage's worker on the logits (sampling, without the host thread)."""
         future: Future | None = None
         last = len(self.stages) - 1
         for stage in self.stages:
             prev = future
 
             def work(st=stage, p=prev, local=window.on(stage.device)):  # row tensors made here, on the host thread
+                if st.index == 0 and tokens is not None:
+                    local = replace(local, tokens=tokens())
                 out = self._stage(st, local, p.result() if p else None)
-                return self._finish(out) if st.index == last else out
+                if st.index < last:
+                    return out
+                out = self._finish(out)
+                if then is not None:
+                    then(out)
+                return out
 
             future = stage.worker.submit(work)
         return future

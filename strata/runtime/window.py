@@ -35,17 +35,17 @@ class Segment:
 
 @dataclass
 class Window:
-    tokens: torch.Tensor  # [R] int64
+    tokens: torch.Tensor | None  # [R] int64; None until fed (a batch window whose tokens are still being sampled)
     positions: torch.Tensor  # [R] int64
     segments: list[Segment]
     logit_rows: torch.Tensor  # [N] int64: the rows whose next-token logits are wanted
     pool: StatePool | None = None  # the pool holding every segment's state, when they share one
     seq_ids: torch.Tensor | None = None  # [S] int32: each segment's index in `pool`
-    host: tuple[list[int], ...] | None = None  # tokens, positions, logit rows and seq ids on the host
+    host: tuple[list[int] | None, ...] | None = None  # tokens (None: on the device only), positions, logit rows, seq ids
 
     @property
     def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.positions.shape[0])
 
     @property
     def is_decode(self) -> bool:
@@ -74,16 +74,16 @@ class Window:
     def on(self, device: torch.device) -> "Window":
         """This window with its row tensors on `device`, copied from the host (for a stage on another device:
         copying them from the first device would make that stage wait for whatever that device is running)."""
-        if self.host is None or self.tokens.device == device:
+        if self.host is None or self.positions.device == device:
             return self
         tokens, positions, logit_rows, seq_ids = self.host
         as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
-        return replace(self, tokens=as_tensor(tokens), positions=as_tensor(positions),
+        return replace(self, tokens=self.tokens if tokens is None else as_tensor(tokens), positions=as_tensor(positions),
                        logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device))
 
     def commit(self) -> None:
         """Every row was kept: advance each sequence past its rows."""
-        tokens = self.host[0] if self.host is not None else self.tokens.tolist()
+        tokens = self.host[0] if self.host is not None and self.host[0] is not None else self.tokens.tolist()
         for seg in self.segments:
             seg.state.length = seg.first_pos + seg.num_rows
             seg.state.tokens += tokens[seg.start : seg.stop]
