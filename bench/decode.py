@@ -1,7 +1,8 @@
 """Decode speed on the GPU at real MoE shapes, against `transformers` on the same weights and the roofline.
 
 For each number of concurrent conversations it prints, side by side: Strata's total tokens/s (batch slots,
-Triton decode kernels, CUDA graphs), `transformers.generate` on the very same weights (its model's tensors are
+Triton decode kernels, CUDA graphs, stepped as the engine process steps them: each window launched before the
+host reads the one in flight), the same with no window ahead (`lookahead` 0), `transformers.generate` on the very same weights (its model's tensors are
 shared with Strata's, not copied), and the step's roofline: measured copy bandwidth over the bytes the step
 must read (dense weights, the distinct experts its rows actually routed to, the K/V cells and GDN states).
 Before timing it checks that a row's logits are bitwise the same alone and in a batch, and that greedy
@@ -131,27 +132,34 @@ def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150
         slots.commit_slots(sw)
     invariant = all(torch.equal(logits[0], other) for other in logits[1:])
     solo = [engine.generate(prompts[i], tokens, stop_ids=none).ids for i in range(n)]
-    slots = engine.init_slots(n)
-    got = {i: [slots.admit(i, prompts[i], tokens, stop_ids=none).token] for i in range(n)}
-    while slots.active:
-        for e in slots.commit_slots(slots.run_slots()):
-            got[e.slot].append(e.token)
-    return invariant, all(got[i] == solo[i] for i in range(n))
+    same = True
+    for lookahead in (0, 1):  # one window at a time, and the next launched before the host reads the last
+        slots = engine.init_slots(n, lookahead=lookahead)
+        got = {i: [slots.admit(i, prompts[i], tokens, stop_ids=none).token] for i in range(n)}
+        while slots.active or slots.in_flight:
+            for e in slots.step():
+                got[e.slot].append(e.token)
+        same &= all(got[i] == solo[i] for i in range(n))
+    return invariant, same
 
 
-def time_strata(engine, rows: int, tokens: int, prompt_len: int) -> float:
+def time_strata(engine, rows: int, tokens: int, prompt_len: int, lookahead: int = 1) -> float:
+    """Tokens per second of `rows` conversations stepped as the engine process steps them (`Slots.step`)."""
     vocab = engine.spec.vocab_size
-    slots = engine.init_slots(rows)
+    slots = engine.init_slots(rows, lookahead=lookahead)
     for i in range(rows):
-        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 3, stop_ids=frozenset())
-    for _ in range(2):  # capture the graph for this row count
-        slots.commit_slots(slots.run_slots())
+        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8, stop_ids=frozenset())
+    for _ in range(3):  # capture the graph for this row count
+        slots.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(tokens):
-        slots.commit_slots(slots.run_slots())
+    produced = 0
+    while produced < rows * tokens:
+        produced += len(slots.step())
     torch.cuda.synchronize()
-    return rows * tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    slots.flush()
+    return produced / elapsed
 
 
 def time_transformers(model, rows: int, tokens: int, prompt_len: int) -> float:
@@ -194,16 +202,17 @@ def main() -> None:
         invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
         print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
               f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
-    print(f"{'conv':>5} {'strata tok/s':>13} {'transformers':>13} {'speedup':>8} {'experts/layer':>14} "
-          f"{'roofline tok/s':>15} {'of roofline':>12}")
+    print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'transformers':>13} {'speedup':>8} "
+          f"{'experts/layer':>14} {'roofline tok/s':>15} {'of roofline':>12}")
     for rows in [int(c) for c in args.concurrency.split(",")]:
         ours = time_strata(engine, rows, args.tokens, args.prompt_len)
+        plain = time_strata(engine, rows, args.tokens, args.prompt_len, lookahead=0)
         ref = None if args.skip_transformers else time_transformers(model, rows, args.tokens, args.prompt_len)
         experts = distinct_experts(spec, rows)
         roof = rows * bw / step_bytes(engine, rows, args.prompt_len + args.tokens // 2, experts)
         ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
         speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
-        print(f"{rows:>5} {ours:13.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
+        print(f"{rows:>5} {ours:13.1f} {plain:13.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
     for rows in [int(c) for c in args.profile.split(",") if c]:
         slots = engine.init_slots(rows)
         for i in range(rows):

@@ -1,6 +1,7 @@
 """Layer split over two GPUs: one card, two stages, and two stages with pipelined groups, at 8 slots.
 
-Prints total decode tokens/s for each, in one run (the one-card engine is the anchor), plus each card's VRAM
+Prints total decode tokens/s for each, in one run (anchors: the one-card engine and the ungrouped split; rows with
+`lookahead` 0 show the host reading each window before the next is launched), plus each card's VRAM
 with and without `--trim-stage-weights`, and whether each configuration's greedy tokens equal the one-card
 run's (a layer's random weights do not depend on the stage that draws them). Random bfloat16 weights at a
 real shape (bench/shapes.py).
@@ -27,10 +28,10 @@ from strata.runtime.generate import Engine  # noqa: E402
 from strata.runtime.scheduler import Scheduler  # noqa: E402
 
 
-def engine_for(spec, split, groups, trim):
+def engine_for(spec, split, groups, trim, lookahead):
     factory = lambda layers, device, trim_: random_stage_weights(spec, layers, device, torch.bfloat16, trim=trim_)  # noqa: E731
     return Engine(None, device="cuda", dtype=torch.bfloat16, max_cells=512, spec=spec, weights=factory,
-                  layer_split=split, batch_groups=groups, trim_stage_weights=trim)
+                  layer_split=split, batch_groups=groups, trim_stage_weights=trim, lookahead=lookahead)
 
 
 def total_tok_s(engine, slots: int, tokens: int) -> tuple[float, dict[int, list[int]]]:
@@ -74,22 +75,27 @@ def main() -> None:
     print(f"{args.shape} ({spec.num_layers} layers), {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, "
           f"{args.slots} slots, torch {torch.__version__}")
     rows = []
-    for label, split_, groups, trim in [("one card", None, 1, True), (f"2 stages {split}", split, 1, True),
-                                         (f"2 stages {split}, 2 groups", split, 2, True),
-                                         (f"2 stages {split}, untrimmed", split, 2, False)]:
-        engine = engine_for(spec, split_, groups, trim)
+    for label, split_, groups, trim, ahead in [
+            ("one card", None, 1, True, 1), (f"2 stages {split}", split, 1, True, 1),
+            (f"2 stages {split}, 2 groups", split, 2, True, 1),
+            (f"2 stages {split}, 2 groups, lookahead 0", split, 2, True, 0),
+            (f"2 stages {split}, lookahead 0", split, 1, True, 0),
+            (f"2 stages {split}, untrimmed", split, 2, False, 1)]:
+        engine = engine_for(spec, split_, groups, trim, ahead)
         vram = vram_gb()
         rate, tokens = total_tok_s(engine, args.slots, args.tokens) if trim or split_ is None else (float("nan"), None)
         rows.append((label, rate, vram, tokens))
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    base, base_tokens = rows[0][1], rows[0][3]
-    print(f"{'configuration':34} {'total tok/s':>12} {'vs one card':>12}  {'same tokens':>11}  VRAM per card (GB)")
+    base, base_tokens, split_rate = rows[0][1], rows[0][3], rows[1][1]
+    print(f"{'configuration':44} {'total tok/s':>12} {'vs one card':>12} {'vs 2 stages':>12}  {'same tokens':>11}  "
+          "VRAM per card (GB)")
     for label, rate, vram, tokens in rows:
-        rate_s = f"{rate:12.1f} {rate / base:11.2f}x" if rate == rate else f"{'-':>12} {'-':>12}"
+        rate_s = (f"{rate:12.1f} {rate / base:11.2f}x {rate / split_rate:11.2f}x" if rate == rate
+                  else f"{'-':>12} {'-':>12} {'-':>12}")
         same = "-" if tokens is None else ("yes" if tokens == base_tokens else "NO")
-        print(f"{label:34} {rate_s}  {same:>11}  {', '.join(f'{v:.1f}' for v in vram)}")
+        print(f"{label:44} {rate_s}  {same:>11}  {', '.join(f'{v:.1f}' for v in vram)}")
 
 
 if __name__ == "__main__":

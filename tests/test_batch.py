@@ -212,4 +212,4 @@ def test_scheduler_with_lookahead_stops_and_readmits_a_slot(engine):
     assert again == engine.generate(follow_up, 30, stop_ids=NO_STOP).ids
     rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
     assert rest == engine.generate(prompt(3), 40, stop_ids=NO_STOP).ids
-    assert f"BDONE 1 length {len(prompt(3))} 40" in out and out[-1] == f"BDONE 0 length {len(follow_up)} 30"
+    assert f"BDONE 1 length {len(prompt(3))} 40" in out and f"BDONE 0 length {len(follow_up)} 30" in out
