@@ -95,6 +95,11 @@ def main() -> None:
         rate_s = (f"{rate:12.1f} {rate / base:11.2f}x {rate / split_rate:11.2f}x" if rate == rate
                   else f"{'-':>12} {'-':>12} {'-':>12}")
         same = "-" if tokens is None else ("yes" if tokens == base_tokens else "NO")
+        if tokens is not None and tokens != base_tokens:  # where it first went apart, to find why
+            slot = next(k for k in sorted(base_tokens) if tokens.get(k) != base_tokens[k])
+            got, want = tokens.get(slot, []), base_tokens[slot]
+            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            same += f" (slot {slot}, token {at} of {len(got)}/{len(want)})"
         print(f"{label:44} {rate_s}  {same:>11}  {', '.join(f'{v:.1f}' for v in vram)}")
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
+from strata.runtime.stages import Handoff
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.window import Window, row_tensor
 from strata.state.session import SessionState
@@ -67,7 +67,6 @@ class SlotWindow:
     sampled: torch.Tensor | None = None  # [R] int64 on the last stage's device: each row's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
-    feed: Callable[[], torch.Tensor] | None = None  # makes `window.tokens` from the window before (pipelined groups)
 
 
 class Slots:
@@ -162,9 +161,12 @@ class Slots:
     def run_slots(self) -> SlotWindow | None:
         """Run one batch window over the active slots (None when none is active)."""
         assert not self._flight, "run_slots with windows in flight: flush them first"
-        sw = self._build_window(self.active, [None] * len(self.active), None)
-        if sw is not None:
-            sw.logits = self.engine.forward(sw.window)
+        rows = self.active
+        if not rows:
+            return None
+        sw = SlotWindow(Window.build([(self.slots[i].state, [self.slots[i].next_token], False) for i in rows],
+                                     self.engine.device), rows)
+        sw.logits = self.engine.forward(sw.window)
         return sw
 
     def commit_slots(self, sw: SlotWindow) -> list[Event]:
@@ -190,16 +192,20 @@ class Slots:
         return events
 
     def _launch(self, group: int) -> bool:
-        """Launch the group's next window; False when it has no row to run. A slot with a row in the group's
-        latest window in flight takes that row's sampled token as input (on the device); the others (none, once
-        a group is running) take their last token from the host."""
+        """Launch the group's next window; False when it has no row to run. With a window of the group in flight
+        (lookahead), the rows are that window's slots that are still active and not certain to end, and each
+        takes the token its row there sampled, on the device; otherwise every active slot of the group takes its
+        last token from the host."""
         latest = next((sw for sw in reversed(self._flight) if sw.group == group), None)
-        pending = {i: j for j, i in enumerate(latest.slots)} if latest else {}
-        rows = [i for i in self.groups[group] if self.slots[i].active and not (i in pending and self._ends_after_pending(i))]
+        if latest is None:
+            rows = [i for i in self.groups[group] if self.slots[i].active]
+        else:  # a slot joins a group only after a flush, so every row continues one of the latest window's
+            rows = [i for i in latest.slots if self.slots[i].active and not self._ends_after_pending(i)]
         if not rows:
             return False
-        sw = self._build_window(rows, [pending.get(i) for i in rows], latest, group)
-        window = sw.window
+        parts = [(self.slots[i].state, [self.slots[i].next_token if latest is None else 0], False) for i in rows]
+        window = Window.build(parts, self.engine.device)
+        sw = SlotWindow(window, rows, group=group)
         params = [self.slots[i].params for i in rows]
         positions = [p + 1 for p in window.host[1]]  # the position each sampled token will take
 
@@ -214,10 +220,23 @@ class Slots:
             else:
                 sw.host = sw.sampled
 
+        feed = None
+        if latest is not None:
+            index = None if rows == latest.slots else [latest.slots.index(i) for i in rows]
+
+            def feed() -> tuple[Handoff, list[int] | None]:  # the latest window's tokens, once it is queued
+                if latest.future is not None:
+                    latest.future.result()
+                return Handoff(latest.sampled, latest.copied), index
+
+            window.tokens, window.host = None, (None, *window.host[1:])
         if len(self.groups) == 1:
+            if feed is not None:
+                sent, index = feed()
+                window.tokens = sent.x if index is None else sent.x[row_tensor(index, torch.int64, sent.x.device)]
             then(self.engine.forward(window))
-        else:
-            sw.future = self.engine.pipeline.launch(window, tokens=sw.feed, then=then)
+        else:  # fed and sampled in the stages' workers: the host thread only queues
+            sw.future = self.engine.pipeline.launch(window, tokens=feed, then=then)
         for i in rows:  # the row's position is the state's now; its token joins `state.tokens` when read
             self.slots[i].state.length += 1
         self._flight.append(sw)
@@ -227,37 +246,6 @@ class Slots:
         """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
         slot = self.slots[index]
         return len(slot.generated) + 1 >= slot.max_new or slot.state.length + 1 >= slot.state.max_cells
-
-    def _build_window(self, rows: list[int], fed: list[int | None], latest: SlotWindow | None,
-                      group: int = 0) -> SlotWindow | None:
-        """A decode window over `rows`; fed[j] is the row of `latest` whose sampled token is row j's input, or
-        None where the slot's last token is on the host."""
-        if not rows:
-            return None
-        parts = [(self.slots[i].state, [self.slots[i].next_token if f is None else 0], False) for i, f in zip(rows, fed)]
-        window = Window.build(parts, self.engine.device)
-        sw = SlotWindow(window, rows, group=group)
-        if all(f is None for f in fed):
-            return sw
-        host_tokens = window.host[0]
-
-        def feed() -> torch.Tensor:
-            sampled = latest.sampled if latest.future is None else (latest.future.result(), latest.sampled)[1]
-            if fed == list(range(len(latest.slots))):
-                return sampled
-            index = [0 if f is None else f for f in fed]
-            tokens = sampled[row_tensor(index, torch.int64, sampled.device)]
-            if any(f is None for f in fed):  # a slot that joined the group since (not after a flush: rare)
-                host = row_tensor(host_tokens, torch.int64, sampled.device)
-                tokens = torch.where(row_tensor([f is None for f in fed], torch.bool, sampled.device), host, tokens)
-            return tokens
-
-        if len(self.groups) == 1:
-            sw.window = replace(window, tokens=feed(), host=(None, *window.host[1:]))
-        else:  # the latest window's tokens exist once its last stage has run: fed in the first stage's worker
-            sw.window = replace(window, tokens=None, host=(None, *window.host[1:]))
-            sw.feed = feed
-        return sw
 
     def _read(self, sw: SlotWindow) -> list[Event]:
         """Wait for the window's tokens, commit its rows and record each active slot's token."""

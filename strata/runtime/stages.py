@@ -28,7 +28,7 @@ from strata.errors import StrataError
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
-from strata.runtime.window import Window
+from strata.runtime.window import Window, row_tensor
 
 log = logging.getLogger("strata.engine")
 
@@ -125,21 +125,35 @@ class Pipeline:
             torch.cuda.set_device(stage.device)
             with torch.cuda.stream(stage.stream):
                 stage.stream.wait_stream(torch.cuda.default_stream(stage.device))  # the caller's inputs and edits
-                x = None if sent is None else self._receive(stage, sent)
+                x = None if sent is None else self._receive(stage, sent, self.stages[stage.index - 1])
                 out = stage.forward.run_stage(window, x)
                 ready = torch.cuda.Event()
                 ready.record(stage.stream)
             return Handoff(out, ready)
 
-    def _receive(self, stage: Stage, sent: Handoff) -> torch.Tensor:
-        """Copy the previous stage's output here once that stage has written it (and not later)."""
-        sender = self.stages[stage.index - 1]
+    def _receive(self, stage: Stage, sent: Handoff, sender: Stage) -> torch.Tensor:
+        """Copy what `sender` handed over (its output, or the last stage's sampled tokens) here once it is written
+        (and not later), on the sender's hand-off stream."""
         if sender.handoff is None:  # from the CPU
             return sent.x.to(stage.device)
+        if sender.device == stage.device:
+            stage.stream.wait_event(sent.ready)
+            sent.x.record_stream(stage.stream)
+            return sent.x
         with torch.cuda.stream(sender.handoff):
             sender.handoff.wait_event(sent.ready)
             sent.x.record_stream(sender.handoff)  # read there: keep its memory until the copy is done
             return sent.x.to(stage.device, non_blocking=True)
+
+    def _fed_tokens(self, stage: Stage, sent: Handoff, index: list[int] | None) -> torch.Tensor:
+        """The first stage's input tokens from the last stage's sampled ones: copied like a hand-off, then picked."""
+        if stage.stream is None:
+            tokens = self._receive(stage, sent, self.stages[-1])
+            return tokens if index is None else tokens[torch.tensor(index)]
+        torch.cuda.set_device(stage.device)
+        with torch.cuda.stream(stage.stream):
+            tokens = self._receive(stage, sent, self.stages[-1])
+            return tokens if index is None else tokens[row_tensor(index, torch.int64, stage.device)]
 
     def _finish(self, last: Handoff) -> torch.Tensor:
         """The window's result, safe to use from the device's default stream (where callers work)."""
@@ -155,11 +169,14 @@ class Pipeline:
             sent = self._stage(stage, window.on(stage.device), sent)
         return self._finish(sent)
 
-    def launch(self, window: Window, tokens: Callable[[], torch.Tensor] | None = None,
+    def launch(self, window: Window, tokens: Callable[[], tuple[Handoff, list[int] | None]] | None = None,
                then: Callable[[torch.Tensor], None] | None = None) -> Future:
-        """Queue the window on every stage's worker in turn; the returned future holds its logits. `tokens`, when
-        given, makes the window's input tokens in the first stage's worker (they may come from a window still
-        being queued); `then` runs in the last stage's worker on the logits (sampling, without the host thread)."""
+        """Queue the window on every stage's worker in turn; the returned future holds its logits.
+
+        `tokens`, when given, is called in the first stage's worker and returns the window's input tokens as the
+        last stage handed them over (the tokens an earlier window sampled there: it may still be queued, the call
+        waits for that) and which of them to take, in row order (None: all); `then` runs in the last stage's
+        worker on the logits (sampling, without the host thread)."""
         future: Future | None = None
         last = len(self.stages) - 1
         for stage in self.stages:
@@ -167,7 +184,7 @@ class Pipeline:
 
             def work(st=stage, p=prev, local=window.on(stage.device)):  # row tensors made here, on the host thread
                 if st.index == 0 and tokens is not None:
-                    local = replace(local, tokens=tokens())
+                    local = replace(local, tokens=self._fed_tokens(st, *tokens()))
                 out = self._stage(st, local, p.result() if p else None)
                 if st.index < last:
                     return out
