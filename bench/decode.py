@@ -2,7 +2,8 @@
 
 For each number of concurrent conversations it prints, side by side: Strata's total tokens/s (batch slots,
 Triton decode kernels, CUDA graphs, stepped as the engine process steps them: each window launched before the
-host reads the one in flight), the same with no window ahead (`lookahead` 0), `transformers.generate` on the very same weights (its model's tensors are
+host reads the one in flight), the same with no window ahead (`lookahead` 0) and with each kernel launched
+only once the one before it has finished (no programmatic dependent launch), `transformers.generate` on the very same weights (its model's tensors are
 shared with Strata's, not copied), and the step's roofline: measured copy bandwidth over the bytes the step
 must read (dense weights, the distinct experts its rows actually routed to, the K/V cells and GDN states).
 Before timing it checks that a row's logits are bitwise the same alone and in a batch, and that greedy
@@ -15,6 +16,7 @@ conversations in a batch equal their solo runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_timing import print_kernel_table  # noqa: E402
+
+from strata.kernels.pdl import enabled as pdl_enabled  # noqa: E402
 
 
 def hf_model(shape: str, num_layers: int | None, device: str):
@@ -197,22 +201,26 @@ def main() -> None:
     spec = engine.spec
     bw = copy_bandwidth(device)
     print(f"{args.shape}, {spec.num_layers} layers, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {engine.weights.nbytes() / 1e9:.1f} GB")
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {engine.weights.nbytes() / 1e9:.1f} GB; programmatic dependent "
+          f"launch {'on' if pdl_enabled(torch.device(device)) else 'off'}")
     if not args.skip_checks:
         invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
         print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
               f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
-    print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'transformers':>13} {'speedup':>8} "
+    print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'no PDL':>8} {'transformers':>13} {'speedup':>8} "
           f"{'experts/layer':>14} {'roofline tok/s':>15} {'of roofline':>12}")
     for rows in [int(c) for c in args.concurrency.split(",")]:
         ours = time_strata(engine, rows, args.tokens, args.prompt_len)
         plain = time_strata(engine, rows, args.tokens, args.prompt_len, lookahead=0)
+        os.environ["STRATA_PDL"] = "0"  # kernels launched one after the other (strata/kernels/pdl.py)
+        no_pdl = time_strata(engine, rows, args.tokens, args.prompt_len)
+        del os.environ["STRATA_PDL"]
         ref = None if args.skip_transformers else time_transformers(model, rows, args.tokens, args.prompt_len)
         experts = distinct_experts(spec, rows)
         roof = rows * bw / step_bytes(engine, rows, args.prompt_len + args.tokens // 2, experts)
         ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
         speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
-        print(f"{rows:>5} {ours:13.1f} {plain:13.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
+        print(f"{rows:>5} {ours:13.1f} {plain:13.1f} {no_pdl:8.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
     for rows in [int(c) for c in args.profile.split(",") if c]:
         slots = engine.init_slots(rows)
         for i in range(rows):

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 
 def attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Rows of one sequence attend to its cells up to their own position.
@@ -74,9 +76,11 @@ def _decode_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, K/V head[, chunk of CHUNK_CELLS cells when SPLIT]); the G query heads of
     the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros)."""
+    wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_hkv = tl.program_id(1)
     i_c = tl.program_id(2)
@@ -139,8 +143,10 @@ def _decode_combine_kernel(
     s_mr, s_mh, s_mc,
     s_or, s_oh, s_od,
     D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_CELLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, query head): merges the row's chunk partials in chunk order."""
+    wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     pos = tl.load(positions + i_r).to(tl.int32)
@@ -194,7 +200,7 @@ def decode_attention_triton(
         0, 0, 0,
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=4, **pdl(q)
     )
     return out
 
@@ -231,13 +237,13 @@ def decode_attention_split_triton(
         *m_part.stride(),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=4, **pdl(q)
     )
     _decode_combine_kernel[(r, h)](
         acc_part, m_part, l_part, positions, out,
         *acc_part.stride(), *m_part.stride(), *out.stride(),
         D=d, BLOCK_D=block_d, CHUNK_CELLS=chunk_cells,
-        num_warps=1,
+        num_warps=1, **pdl(q)
     )
     return out
 

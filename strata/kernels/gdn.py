@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from strata.kernels.pdl import pdl, wait_for_prior
 from torch import Tensor
 
 
@@ -135,8 +137,10 @@ def _conv_decode_kernel(
     p_mixed, p_w, p_pool, p_seq, p_out,
     C, stride_mixed, stride_w, stride_ps, stride_pk, stride_out,
     K: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, channel block): conv + silu of this token over the history, history shifted."""
+    wait_for_prior(PDL)
     i_r, i_c = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < C
@@ -162,8 +166,10 @@ def _rec_decode_kernel(
     stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile."""
+    wait_for_prior(PDL)
     i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_r64 = i_r.to(tl.int64)
     i_kh = i_h // GROUP
@@ -222,7 +228,7 @@ def gdn_decode_triton(
     _conv_decode_kernel[(num_rows, triton.cdiv(num_channels, CONV_BLOCK_C))](
         mixed, conv_w, conv_pool, seq_ids, conv_out,
         num_channels, mixed.stride(0), conv_w.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_out.stride(0),
-        K=num_taps, BLOCK_C=CONV_BLOCK_C,
+        K=num_taps, BLOCK_C=CONV_BLOCK_C, **pdl(mixed),
     )  # fmt: skip
 
     block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
@@ -231,7 +237,7 @@ def gdn_decode_triton(
         conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
         decay.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
-        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv,
+        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, **pdl(mixed),
     )  # fmt: skip
     return out
 

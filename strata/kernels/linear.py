@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 BLOCK_M = 16
 # dtype -> (BLOCK_N, BLOCK_K, num_stages); one configuration per dtype, whatever M is.
 CONFIGS = {
@@ -56,9 +58,11 @@ def linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
     the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
+    wait_for_prior(PDL)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -94,8 +98,9 @@ def linear_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _sum_chunks_kernel(p_part, p_b, p_out, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = sum over chunks s = 0, 1, ... of part[s, m, n] (+ bias), in that order."""
+    wait_for_prior(PDL)
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
@@ -133,10 +138,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         PARTIAL=partial is not None,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=num_stages,
+        num_warps=NUM_WARPS, num_stages=num_stages, **pdl(x)
     )
     if partial is not None:
         _sum_chunks_kernel[(m, triton.cdiv(n, 1024))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)
+            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **pdl(x))
     return out

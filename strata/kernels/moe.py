@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 from strata.kernels.invariant import plain
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
@@ -112,7 +114,9 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 
 @triton.jit
 def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
-                  K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+                  K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_prior(PDL)
     i_r = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
@@ -146,14 +150,17 @@ def route_triton(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[tor
     ids = torch.empty(R, top_k, dtype=torch.int32, device=logits.device)  # [R, k]
     if R:
         _route_kernel[(R,)](logits, weights, ids, E, logits.stride(0), K_TOP=top_k, NORM_TOPK=norm_topk,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(top_k))
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(top_k),
+                            **pdl(logits))
     return weights, ids
 
 
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                    K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile of one expert's pairs."""
+    wait_for_prior(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e = tl.load(p_expert + i_b)
     if i_e >= E:  # past the last used block
@@ -184,8 +191,9 @@ def _gate_up_kernel(p_x, p_w, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_w
 
 @triton.jit
 def _down_kernel(p_h, p_w, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_wn, s_wk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile of one expert's pairs."""
+    wait_for_prior(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e = tl.load(p_expert + i_b)
     if i_e >= E:
@@ -209,8 +217,10 @@ def _down_kernel(p_h, p_w, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_w
 
 
 @triton.jit
-def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[row] = sum of the row's k pair outputs, in ascending expert id."""
+    wait_for_prior(PDL)
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     o_j = tl.arange(0, BLOCK_TOP)
     b_ids = tl.load(p_ids + i_r * K_TOP + o_j, mask=o_j < K_TOP, other=E)  # [BT], E in padding lanes
@@ -228,10 +238,12 @@ def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.
 
 @triton.jit
 def _expert_tiles_kernel(p_ids, p_pair, p_expert, P, E, NUM_SLOTS, MAX_BLOCKS,
-                         BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+                         BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program: group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
     order within an expert (what a stable sort by expert gives). p_pair[slot] = the pair in that slot (P in
     padding slots); p_expert[tile] = its expert (E past the last used tile). Ids >= E are left out."""
+    wait_for_prior(PDL)
     o_e = tl.arange(0, BLOCK_E)
     o_q = tl.arange(0, BLOCK_P)
     b_count = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -278,7 +290,7 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
         block_e = triton.next_power_of_2(E + 1)
         _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, P, E,
                                    max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_E=block_e,
-                                   BLOCK_P=max(16, min(64, 32768 // block_e)), BLOCK_S=1024, num_warps=8)
+                                   BLOCK_P=max(16, min(64, 32768 // block_e)), BLOCK_S=1024, num_warps=8, **pdl(ids))
         return pair_of_slot, expert_of_block
     flat = ids.reshape(-1).long()  # [P]
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
@@ -324,12 +336,14 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
              num_stages=tiles.num_stages)
     h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
     _gate_up_kernel[(max_blocks, triton.cdiv(I, tiles.block_n))](
-        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(), K_TOP=k, **t)
+        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(), K_TOP=k, **t,
+        **pdl(x))
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
     _down_kernel[(max_blocks, triton.cdiv(H, tiles.block_n))](
-        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(), **t)
+        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(), **t,
+        **pdl(x))
     _combine_kernel[(R, triton.cdiv(H, tiles.combine_n))](
-        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=tiles.combine_n)
+        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=tiles.combine_n, **pdl(y))
     return out
 
 

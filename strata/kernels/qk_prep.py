@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 from strata.kernels.rmsnorm import rms_norm_triton
 from strata.kernels.rope import apply_rope_triton
 
@@ -38,9 +40,11 @@ def _qk_prep_kernel(
     H, HKV, D, HALF, eps,
     QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, head): heads 0..H-1 are q's (written to q_out), H..H+HKV-1 are k's (written,
     with the row's v head, to the row's cell of the pool)."""
+    wait_for_prior(PDL)
     i_r, i_j = tl.program_id(0), tl.program_id(1)
     is_q = i_j < H
     i_h = tl.where(is_q, i_j, i_j - H)
@@ -111,5 +115,6 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
             QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
             num_warps=min(16, max(1, triton.next_power_of_2(d) // 512)),  # the norm kernel's: its sum order
+            **pdl(q),
         )
     return q_out

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 from strata.kernels.invariant import plain
 
 
@@ -52,7 +54,9 @@ def _rms_norm_kernel(
     stride_xr, stride_xh, stride_rr, stride_rh, stride_gr, stride_gh,
     D, eps,
     BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     i_r, i_h, H = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     o_d = tl.arange(0, BLOCK)
     m_d = o_d < D
@@ -99,7 +103,7 @@ def _launch_rms_norm(x, weight, eps, residual=None, gate=None):
             x, residual, gate, weight.contiguous(), out, res_out,
             sxr, sxh, srr, srh, sgr, sgh, d, eps,
             BLOCK=block, ADD_RESIDUAL=residual is not None, GATED=gate is not None,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **pdl(x)
         )
     return out, res_out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.pdl import pdl, wait_for_prior
+
 
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     """[rotary_dim / 2] float32 inverse frequencies."""
@@ -42,7 +44,9 @@ def _rope_kernel(
     stride_xr, stride_xh, stride_pos,
     H, D, HALF,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     i_r, i_hb = tl.program_id(0), tl.program_id(1)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     o_j = tl.arange(0, BLOCK_HALF)
@@ -87,6 +91,6 @@ def apply_rope_triton(
             x.stride(0), x.stride(1), positions.stride(0),
             h, d, half,
             BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
+            BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d, **pdl(x)
         )
     return out
