@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.attention import attention, decode_attention_triton, prefill_attention_triton
+from strata.kernels.elementwise import (gdn_gates, gdn_gates_triton, sigmoid_gate_add, sigmoid_gate_add_triton,
+                                        silu_mul, silu_mul_triton)
 from strata.kernels.gdn import (causal_conv1d, causal_conv1d_triton, gated_delta_rule_chunked,
                                 gated_delta_rule_chunked_triton, gated_delta_rule_step, gdn_decode_triton)
 from strata.kernels.linear import linear_triton
@@ -123,6 +125,19 @@ def check_moe() -> None:
             report(f"moe_triton E={e} top-{k} R={rows} {name}", rel(got, want))
 
 
+def check_elementwise() -> None:
+    gu = rand(8, 2 * 768)
+    report("silu_mul_triton [8, 2x768]", rel(silu_mul_triton(gu), silu_mul(gu.float())))
+    out, sh, logit = rand(8, 2048), rand(8, 2048), rand(8, 1)
+    report("sigmoid_gate_add_triton [8, 2048]",
+           rel(sigmoid_gate_add_triton(out, sh, logit), sigmoid_gate_add(out.float(), sh.float(), logit.float())))
+    a, b = rand(8, 32, scale=4.0), rand(8, 32, scale=4.0)
+    neg_a, dt = -torch.rand(32, device=DEV) - 0.1, torch.randn(32, device=DEV)
+    decay, beta = gdn_gates_triton(a, b, neg_a, dt)
+    want_decay, want_beta = gdn_gates(a.float(), b.float(), neg_a, dt)
+    report("gdn_gates_triton [8, 32] (decay, beta)", max(rel(decay, want_decay), rel(beta, want_beta)))
+
+
 def check_attention() -> None:
     for h, hkv, d in [(32, 4, 128), (16, 2, 256)]:
         t = 1024
@@ -179,7 +194,8 @@ def check_gdn() -> None:
 def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
-    for check in (check_linear, check_norms_and_rope, check_qk_prep, check_moe, check_attention, check_gdn):
+    for check in (check_linear, check_norms_and_rope, check_qk_prep, check_elementwise, check_moe, check_attention,
+                  check_gdn):
         try:
             check()
         except Exception:  # noqa: BLE001 - one broken check must not hide the others

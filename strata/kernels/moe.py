@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.pdl import pdl, wait_for_prior
-
+from strata.kernels.elementwise import sigmoid_gate_add, sigmoid_gate_add_triton, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
+from strata.kernels.pdl import pdl, wait_for_prior
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
 Linear = Callable[..., torch.Tensor]  # F.linear or a row-invariant linear
@@ -31,10 +31,10 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return weights.to(x.dtype), ids
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
-    """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear,
+           act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+    """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]. `act`: silu(gate) * up of [R, 2I]."""
+    return linear(act(linear(x, gate_up)), down)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -75,14 +75,13 @@ def moe(
     return add_shared_expert(out, x, shared, shared_gate, lambda *a: rows(swiglu, *a), lambda *a: rows(F.linear, *a))
 
 
-def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear) -> torch.Tensor:
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear,
+                      gate_add=sigmoid_gate_add) -> torch.Tensor:
     """out + the shared expert's SwiGLU of x, scaled by sigmoid(x @ shared_gate) when there is a gate."""
     if shared is None:
         return out
     s = run_swiglu(x, *shared)
-    if shared_gate is not None:
-        s = torch.sigmoid(run_linear(x, shared_gate)) * s
-    return out + s
+    return out + s if shared_gate is None else gate_add(out, s, run_linear(x, shared_gate))
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------------
@@ -362,4 +361,5 @@ def moe_triton(
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products."""
     weights, ids = route_triton(linear(x, router), top_k, norm_topk)
     out = fused_experts_triton(x, weights, ids, gate_up, down, tiles)
-    return add_shared_expert(out, x, shared, shared_gate, lambda *a: swiglu(*a, linear=linear), linear)
+    return add_shared_expert(out, x, shared, shared_gate, lambda *a: swiglu(*a, linear=linear, act=silu_mul_triton),
+                             linear, sigmoid_gate_add_triton)

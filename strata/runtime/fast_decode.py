@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_triton
+from strata.kernels.elementwise import gdn_gates_triton, silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.linear import linear_triton
 from strata.kernels.moe import moe_triton
@@ -80,8 +81,7 @@ class TritonDecode:
         r = x.shape[0]
         proj = linear_triton(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        beta = torch.sigmoid(b)
-        decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv]
+        decay, beta = gdn_gates_triton(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv] each
         out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
                                 g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
         out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
@@ -89,8 +89,7 @@ class TritonDecode:
 
     def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:
         if self.spec.layers[i].mlp == "dense":
-            gate, up = linear_triton(x, w["gate_up"]).chunk(2, dim=-1)
-            return linear_triton(F.silu(gate) * up, w["down"])
+            return linear_triton(silu_mul_triton(linear_triton(x, w["gate_up"])), w["down"])
         m = self.spec.moe
         if i in self.pools:
             return pooled_moe(x, w, m, self.pools[i], kernels="decode")
