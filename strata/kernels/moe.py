@@ -289,7 +289,8 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
         block_e = triton.next_power_of_2(E + 1)
         _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, P, E,
                                    max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_E=block_e,
-                                   BLOCK_P=max(16, min(64, 32768 // block_e)), BLOCK_S=1024, num_warps=8, **pdl(ids))
+                                   BLOCK_P=max(16, min(64, 32768 // block_e)), BLOCK_S=1024,
+                                   num_warps=16 if block_e >= 512 else 8, **pdl(ids))
         return pair_of_slot, expert_of_block
     flat = ids.reshape(-1).long()  # [P]
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
