@@ -4,8 +4,9 @@ embedding of q and k, and the append of each row's k and v to its own cell of th
 Decode windows are latency-bound at small row counts: every launch costs a few microseconds whatever its size,
 so the six small launches this replaces (two norms, two rotaries, two cell writes) add up. The arithmetic is
 the one of `rms_norm_triton` followed by `apply_rope_triton` (same reductions, same roundings to the model's
-dtype in between), so the results are bitwise what the separate kernels give; `qk_prep_reference` is that
-sequence, in torch terms, for the tests.
+dtype in between): under the interpreter the results are bitwise the separate kernels', and compiled for a GPU
+they may differ by one rounding where the compiler fuses a multiply-add differently (1 element in 46,000 on an
+H200, bench/kernels_check.py). `qk_prep_reference` is that sequence, for the tests.
 """
 
 from __future__ import annotations
