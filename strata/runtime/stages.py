@@ -125,6 +125,7 @@ class Pipeline:
             torch.cuda.set_device(stage.device)
             with torch.cuda.stream(stage.stream):
                 stage.stream.wait_stream(torch.cuda.default_stream(stage.device))  # the caller's inputs and edits
+                window.record_stream(stage.stream)  # made on the default stream, read here
                 x = None if sent is None else self._receive(stage, sent, self.stages[stage.index - 1])
                 out = stage.forward.run_stage(window, x)
                 ready = torch.cuda.Event()

@@ -81,6 +81,14 @@ class Window:
         return replace(self, tokens=self.tokens if tokens is None else as_tensor(tokens), positions=as_tensor(positions),
                        logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device))
 
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        """The row tensors on `stream`'s device are read there: keep their memory from being reused by the stream
+        that made them until `stream` has run what is queued now (the caching allocator otherwise hands a freed
+        block to the next tensor made on that stream, and a later window's inputs would overwrite this one's)."""
+        for t in (self.tokens, self.positions, self.logit_rows, self.seq_ids):
+            if t is not None and t.device == stream.device:
+                t.record_stream(stream)
+
     def commit(self) -> None:
         """Every row was kept: advance each sequence past its rows."""
         tokens = self.host[0] if self.host is not None and self.host[0] is not None else self.tokens.tolist()
