@@ -77,9 +77,10 @@ def main() -> None:
     rows = []
     for label, split_, groups, trim, ahead in [
             ("one card", None, 1, True, 1), (f"2 stages {split}", split, 1, True, 1),
-            (f"2 stages {split}, 2 groups", split, 2, True, 0),
+            (f"2 stages {split}, 2 groups", split, 2, True, 1),
             (f"2 stages {split}, lookahead 0", split, 1, True, 0),
-            (f"2 stages {split}, untrimmed", split, 2, False, 0)]:
+            (f"2 stages {split}, 2 groups, lookahead 0", split, 2, True, 0),
+            (f"2 stages {split}, untrimmed", split, 2, False, 1)]:
         engine = engine_for(spec, split_, groups, trim, ahead)
         vram = vram_gb()
         rate, tokens = total_tok_s(engine, args.slots, args.tokens) if trim or split_ is None else (float("nan"), None)

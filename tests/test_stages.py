@@ -90,3 +90,21 @@ def test_refusals(model):
         with pytest.raises(StrataError, match="GPU"):
             plan_stages(spec, "1,1,2", torch.device("cuda"))
     assert [len(r) for r, _ in plan_stages(spec, "0.5,0.5", torch.device("cpu"))] == [2, 2]
+
+
+def test_groups_launch_in_turns_with_lookahead(model):
+    """A stage runs windows in launch order and a group's fed window waits for the group's window before it, so
+    the groups take turns (g0, g1, g0, g1): each stage always has another group's window to run meanwhile."""
+    files, solo = model
+    engine = Engine(files, max_cells=256, layer_split="2,2", batch_groups=2, lookahead=1)
+    slots = engine.init_slots(4)
+    for i in range(4):
+        slots.admit(i, prompt(i), NEW, stop_ids=frozenset())
+    got = {i: [] for i in range(4)}
+    for e in slots.step():  # launches two windows per group, reads the oldest
+        got[e.slot].append(e.token)
+    assert [sw.group for sw in slots._flight] == [1, 0, 1]
+    assert [sw.slots for sw in slots._flight] == [[2, 3], [0, 1], [2, 3]]
+    for e in slots.flush():
+        got[e.slot].append(e.token)
+    assert all(got[i] == solo[i][1 : 1 + len(got[i])] for i in range(4)) and all(len(got[i]) == 2 for i in range(4))

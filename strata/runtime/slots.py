@@ -73,9 +73,8 @@ class Slots:
     """`init_slots` makes these; `run_slots` + `commit_slots` step synchronously, `batch_launch` + `batch_poll` without blocking."""
 
     def __init__(self, engine: Engine, num_slots: int, num_groups: int = 1, lookahead: int | None = None):
-        """`lookahead`: windows a group launches beyond the one the host reads next (0 or 1; default 1 on a GPU
-        without groups, where it lets the host work while the device computes, and 0 on the CPU, where the host
-        computes, and with pipelined groups, whose stages already overlap)."""
+        """`lookahead`: windows a group launches beyond the one the host reads next (0 or 1; default 1 on a GPU,
+        where it lets the host work while the device computes, and 0 on the CPU, where the host computes)."""
         if not 1 <= num_slots <= 256:
             raise StrataError(f"--batch {num_slots}: the number of slots must be between 1 and 256")
         if not 1 <= num_groups <= num_slots:
@@ -86,17 +85,10 @@ class Slots:
         bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
-        on_gpu = engine.device.type == "cuda"
         if lookahead is None:
-            lookahead = 1 if on_gpu and num_groups == 1 else 0
+            lookahead = 1 if engine.device.type == "cuda" else 0
         if lookahead not in (0, 1):
             raise StrataError(f"--lookahead {lookahead}: a group runs at most one window ahead (0 or 1)")
-        if lookahead and on_gpu and num_groups > 1:
-            # Measured on two H200s (2026-11-30): with windows fed on the device through the stages' workers, the
-            # tokens went apart from the one-card run from the third window on, unless the feed was synchronised;
-            # the cause is not found yet, so the combination is refused rather than run wrong.
-            raise StrataError(f"--lookahead 1 with --batch-groups {num_groups} is not supported on GPUs yet (its "
-                              "tokens differed from one card's on two H200s); use --lookahead 0 (the default there)")
         self.lookahead = lookahead
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
 
@@ -186,10 +178,14 @@ class Slots:
 
     def step(self) -> list[Event]:
         """Launch every window that may run now (each group keeps up to 1 + lookahead in flight), then read the
-        oldest window in flight and return its events (none when nothing runs). Blocks only for that window."""
-        for g in range(len(self.groups)):
-            while sum(sw.group == g for sw in self._flight) <= self.lookahead and self._launch(g):
-                pass
+        oldest window in flight and return its events (none when nothing runs). Blocks only for that window.
+        Groups launch in turns (g0, g1, ..., then g0's next, ...): a stage runs its windows in launch order, and a
+        group's next window waits on the device for the group's window before it, so a stage always has another
+        group's window to run meanwhile."""
+        for _ in range(self.lookahead + 1):
+            for g in range(len(self.groups)):
+                if sum(sw.group == g for sw in self._flight) <= self.lookahead:
+                    self._launch(g)
         return self._read(self._flight.popleft()) if self._flight else []
 
     def flush(self) -> list[Event]:
