@@ -83,8 +83,8 @@ class EngineSettings(StrataSettings):
     trim_stage_weights: bool = Field(False, description="each stage loads only its own layers' tensors")
     lookahead: int | None = Field(
         None, ge=0, le=1, description="batch windows each slot group launches ahead of the one the host reads "
-        "(1: the next window's tokens stay on the device, so the host works while it computes); default 1 on a GPU "
-        "without --batch-groups, else 0"
+        "(1: the next window's tokens stay on the device, so the host works while it computes); default 1 on a GPU, "
+        "0 on the CPU"
     )
     expert_budget_gb: str | None = Field(
         None, description="GB of routed experts each card keeps resident, per stage (e.g. 10,10,12,12)"
