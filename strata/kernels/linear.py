@@ -5,9 +5,9 @@ tiles are fixed constants (never derived from M), each program owns one [BLOCK_M
 and runs its K loop in one fixed order, and no arithmetic crosses rows. BLOCK_M is the tensor-core minimum,
 16: a decode window of up to 16 rows reads the weight exactly once, which is what the step costs (it is
 bound by reading W). A narrow weight (few BLOCK_N tiles) would keep most of the GPU idle, so K is split
-into `split_k(N, K)` chunks, a number fixed by the weight's shape alone: each program sums one chunk, and the
-last chunk of a tile to finish adds the chunks' float32 partial sums in chunk order (one launch; the order is
-the same whichever chunk arrives last). `linear_reference` is the torch op it mirrors.
+into `split_k(N, K)` chunks, a number fixed by the weight's shape alone: each program sums one chunk, and a
+second kernel adds the chunks' float32 partial sums in chunk order. `linear_reference` is the torch op it
+mirrors.
 """
 
 from __future__ import annotations
@@ -49,21 +49,19 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @triton.jit(do_not_specialize=["M"])
 def linear_kernel(
-    p_x, p_w, p_b, p_out, p_part, p_count,
+    p_x, p_w, p_b, p_out,
     M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    PARTIAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). With SPLIT > 1
-    chunks, each stores its float32 sums at p_part + i_s * M * N and counts itself in at p_count (one counter
-    per output tile, zero before the call); the tile's last chunk to arrive adds the SPLIT sums in chunk order,
-    stores the finished tile and puts the counter back to zero."""
+    """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
+    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
     wait_for_prior(PDL)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -88,39 +86,30 @@ def linear_kernel(
         p_xk += BLOCK_K * stride_xk
         p_wk += BLOCK_K * stride_wk
     m_o = m_m[:, None] & m_n[None, :]
-    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    if SPLIT > 1:
-        p_q = p_part + o_m.to(tl.int64)[:, None] * N + o_n[None, :]  # this tile's sums of chunk 0
-        tl.store(p_q + i_s.to(tl.int64) * M * N, b_acc, mask=m_o)
-        tl.debug_barrier()  # the whole tile is stored before this chunk counts itself in
-        p_c = p_count + i_m * tl.num_programs(0) + i_n
-        if tl.atomic_add(p_c, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:  # the last chunk of this tile
-            b_sum = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-            for i_c in tl.static_range(SPLIT):  # chunk order, whichever chunk arrived last
-                b_sum += tl.load(p_q + i_c * M * N, mask=m_o, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                b_sum += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(p_o, b_sum.to(p_out.dtype.element_ty), mask=m_o)
-            tl.atomic_xchg(p_c, 0, sem="relaxed", scope="gpu")  # zero again for the next call on this stream
+    if PARTIAL:
+        p_p = p_out + i_s.to(tl.int64) * M * N + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        tl.store(p_p, b_acc, mask=m_o)
     else:
         if HAS_BIAS:
             b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
         tl.store(p_o, b_acc.to(p_out.dtype.element_ty), mask=m_o)
 
 
-_counters: dict[tuple, tuple] = {}  # (device, stream) -> (the stream, kept so its id is not reused; counters)
-
-
-def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` zeroed int32 counters for the split calls queued on the current stream of `device` (calls
-    on one stream run one after another, and each leaves its counters at zero). Made once per stream (grown when
-    a call has more tiles); a CUDA graph is captured on a stream of its own, so its counters are its own too."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (device.type, device.index, None if stream is None else stream.cuda_stream)
-    entry = _counters.get(key)
-    if entry is None or entry[1].numel() < tiles:
-        entry = _counters[key] = (stream, torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
-    return entry[1]
+@triton.jit(do_not_specialize=["M"])
+def _sum_chunks_kernel(p_part, p_b, p_out, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] = sum over chunks s = 0, 1, ... of part[s, m, n] (+ bias), in that order."""
+    wait_for_prior(PDL)
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < N
+    b_acc = tl.full([BLOCK], 0.0, tl.float32)
+    for i_s in tl.static_range(SPLIT):
+        b_acc += tl.load(p_part + (i_s * M + i_m).to(tl.int64) * N + o_n, mask=m_n, other=0.0)
+    if HAS_BIAS:
+        b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)
+    tl.store(p_out + i_m.to(tl.int64) * stride_om + o_n, b_acc.to(p_out.dtype.element_ty), mask=m_n)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,19 +126,22 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
     split = split_k(n, k, block_n, block_k)
     chunk = k // split if split > 1 else k
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out  # [S, M, N]
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else out
-    linear_kernel[(*grid, split)](
-        x, weight, bias if bias is not None else x, out, partial, counters,
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None  # [S, M, N]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
+    linear_kernel[grid](
+        x, weight, bias if bias is not None else x, out if partial is None else partial,
         m, n, k, chunk,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None,
-        SPLIT=split,
+        PARTIAL=partial is not None,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=NUM_WARPS, num_stages=num_stages, **pdl(x)
     )
+    if partial is not None:
+        _sum_chunks_kernel[(m, triton.cdiv(n, 1024))](
+            partial, bias if bias is not None else x, out, m, n, out.stride(0),
+            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **pdl(x))
     return out
