@@ -162,6 +162,28 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_next_answers_intact(ser
     assert scrape(server)["vllm:num_requests_running{}"] == 0
 
 
+def test_with_lookahead_answers_match_and_a_disconnect_mid_stream_is_clean(solo_answers):
+    """`--lookahead 1` (the GPU default; here on the CPU): batch windows launched before the host reads the one in
+    flight give every request its solo answer, and a client leaving mid-stream (its slot stopped with windows in
+    flight) leaves the next answers intact and nothing running."""
+    srv = Server("--batch", "4", "--lookahead", "1")
+    try:
+        facts = httpx.get(srv.url + "/metrics", headers={"Accept": "application/json"}).json()
+        assert facts["engine_facts"]["lookahead"] == 1  # the flag reached the engine process
+        assert asyncio.run(_concurrently(srv, PROMPTS)) == solo_answers
+        body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: {") for _ in range(6))
+        assert asyncio.run(_concurrently(srv, PROMPTS[:3] + PROMPTS[:1])) == solo_answers[:3] + solo_answers[:1]
+        deadline = time.monotonic() + 30
+        while scrape(srv).get("vllm:num_requests_running{}", 1) != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scrape(srv)["vllm:num_requests_running{}"] == 0
+    finally:
+        srv.stop()
+
+
 def test_metrics_formats(server):
     text = httpx.get(server.url + "/metrics", params={"format": "prometheus"}).text
     names = {f.name for f in text_string_to_metric_families(text)}

@@ -42,7 +42,8 @@ class Scheduler:
         spec = self.engine.spec
         return {"family": spec.family, "vocab_size": spec.vocab_size, "num_layers": spec.num_layers,
                 "max_cells": self.engine.max_cells, "batch": len(self.slots) if self.slots else 0,
-                "batch_groups": len(self.slots.groups) if self.slots else 0, "stages": len(self.engine.stages),
+                "batch_groups": len(self.slots.groups) if self.slots else 0,
+                "lookahead": self.slots.lookahead if self.slots else 0, "stages": len(self.engine.stages),
                 "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
                 "expert_residency": self.engine.expert_residency(), "pid": os.getpid()}
 
