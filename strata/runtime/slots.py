@@ -226,7 +226,8 @@ class Slots:
 
         feed = None
         if latest is not None:
-            index = None if rows == latest.slots else [latest.slots.index(i) for i in rows]
+            row_of = {slot: j for j, slot in enumerate(latest.slots)}
+            index = None if rows == latest.slots else [row_of[i] for i in rows]
 
             def feed() -> tuple[Handoff, list[int] | None]:  # the latest window's tokens, once it is queued
                 if latest.future is not None:
