@@ -1,10 +1,12 @@
 """The server's side of the engine process: owns `strata engine`, admits requests, routes its events.
 
-Admission (with `--batch N`): a request alone takes the solo path (GEN, the fastest single stream). When
-another arrives, the solo run is STOPped and, at its DONE, continues in a slot (BGEN ... resume=g with its
-prompt plus what it generated: the engine reuses its state, so the answer is unchanged) and the newcomer is
-admitted beside it. When every slot is busy, requests wait in FIFO order. Without `--batch`, requests queue
-FIFO for the solo path.
+Admission (with `--batch N`): a request alone takes the solo path (GEN, the fastest single stream when the
+engine reads each window before launching the next). When another arrives, the solo run is STOPped and, at its
+DONE, continues in a slot (BGEN ... resume=g with its prompt plus what it generated: the engine reuses its state,
+so the answer is unchanged) and the newcomer is admitted beside it. An engine that runs batch windows ahead of
+the host (its READY facts say `lookahead` 1, the GPU default) gets every request in a slot, a lone one too: its
+slots are then the faster single stream. When every slot is busy, requests wait in FIFO order. Without
+`--batch`, requests queue FIFO for the solo path.
 
 A request that is abandoned (client gone, stop string, consumer done) is stopped and its solo run or slot is
 freed only at its DONE / BDONE, so no token of the abandoned answer reaches the next request. All state
@@ -149,8 +151,8 @@ class EngineClient:
                 self._send("STOP")
             return
         free = [i for i, j in enumerate(self.slots) if j is None]
-        if len(free) == self.num_slots and len(self.waiting) == 1:
-            self._start_solo(self.waiting.popleft())  # alone: the fastest single stream
+        if len(free) == self.num_slots and len(self.waiting) == 1 and not self.facts.get("lookahead"):
+            self._start_solo(self.waiting.popleft())  # alone: the fastest single stream (see the module's text)
             return
         while self.waiting and free:
             self._admit(self.waiting.popleft(), free.pop(0))

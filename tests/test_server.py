@@ -175,7 +175,12 @@ def test_with_lookahead_answers_match_and_a_disconnect_mid_stream_is_clean(solo_
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert any(next(lines).startswith("data: {") for _ in range(6))
+            # alone, it runs in a slot (its windows one ahead), not on the solo path
+            facts = httpx.get(srv.url + "/metrics", headers={"Accept": "application/json"}).json()
+            assert facts["slots_in_use"] == 1 and facts["requests_running"] == 1
         assert asyncio.run(_concurrently(srv, PROMPTS[:3] + PROMPTS[:1])) == solo_answers[:3] + solo_answers[:1]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert complete(client, PROMPTS[2]) == solo_answers[2]  # a lone request, through a slot
         deadline = time.monotonic() + 30
         while scrape(srv).get("vllm:num_requests_running{}", 1) != 0 and time.monotonic() < deadline:
             time.sleep(0.1)
