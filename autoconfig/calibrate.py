@@ -17,7 +17,7 @@ from autoconfig.rules import Proposal
 
 # settings a single-device Engine does not take: passed by name where this build's Engine accepts them
 SPLIT_KEYS = ("layer_split", "split_device", "trim_stage_weights", "expert_budget_gb", "cpu_threads")
-SLOT_KEYS = ("batch_groups",)
+SLOT_KEYS = ("batch_groups",)  # taken by `init_slots`: candidates that differ only in these share an engine
 
 
 class Unmeasurable(Exception):
@@ -110,19 +110,20 @@ def _measure(engine, settings: dict, concurrency: int, windows: int, prompt_len:
     missing = [k for k in extra if k not in accepted]
     if missing:
         raise Unmeasurable(f"this build's slots take no {', '.join('--' + k.replace('_', '-') for k in missing)}")
-    slots = engine.init_slots(batch, **extra)
+    slots = engine.init_slots(batch, **extra)  # lookahead: the engine's default, as in `strata engine`
     active = min(concurrency, batch)
     for s in range(active):
-        slots.admit(s, prompt(s), windows + 3, stop_ids=frozenset())
-    slots.commit_slots(slots.run_slots())  # warm up
+        slots.admit(s, prompt(s), windows + 4, stop_ids=frozenset())
+    for _ in range(len(slots.groups)):  # warm up: every group's first window
+        slots.step()
     sync()
     start, rows = time.perf_counter(), 0
-    for _ in range(windows):
-        sw = slots.run_slots()
-        slots.commit_slots(sw)
-        rows += len(sw.slots)
+    while rows < active * windows and (slots.active or slots.in_flight):  # stepped as the engine process steps
+        rows += len(slots.step())
     sync()
-    return rows / (time.perf_counter() - start), active
+    elapsed = time.perf_counter() - start
+    slots.flush()
+    return rows / elapsed, active
 
 
 def _free_gpu_memory() -> None:

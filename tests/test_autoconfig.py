@@ -441,3 +441,18 @@ def test_facts_recorded_on_the_real_h200_machine(moe30b):
     p = propose(Facts(machine=recorded, model=moe30b), Wishes(concurrency=8))
     assert p.settings["device"] == "cuda:0" and p.settings["layer_split"] is None
     assert p.settings["expert_budget_gb"] is None and "every expert fits in VRAM" in p.reasons["expert_budget_gb"]
+
+
+def test_calibrate_measures_a_pipelined_split_on_the_cpu():
+    """A candidate with a layer split and groups is measured as `strata engine` would run it (stages, groups taking
+    turns), not refused as unmeasurable: the embedded model split 15,15 over two CPU stages with 2 groups."""
+    from autoconfig.calibrate import calibrate
+    from autoconfig.rules import Proposal
+
+    base = {"device": "cpu", "dtype": "auto", "max_cells": 96, "batch": 2, "layer_split": None, "split_device": None,
+            "batch_groups": 1, "trim_stage_weights": False, "expert_budget_gb": None, "cpu_threads": None}
+    grouped = {**base, "layer_split": "15,15", "batch_groups": 2, "trim_stage_weights": True}
+    got = calibrate("default", [Proposal(settings=base, reasons={}), Proposal(settings=grouped, reasons={})],
+                    concurrency=2, windows=2)
+    assert [m.note for m in got] == ["", ""], [m.note for m in got]
+    assert all(m.tokens_per_s and m.tokens_per_s > 0 and m.conversations == 2 for m in got)

@@ -91,11 +91,15 @@ class Engine:
         """One window through every stage; the logits of its logit rows."""
         return self.pipeline(window)
 
-    def init_slots(self, num_slots: int, lookahead: int | None = None) -> "Slots":
-        """Batch slots that decode several sequences together (see `strata.runtime.slots`)."""
+    def init_slots(self, num_slots: int, lookahead: int | None = None, batch_groups: int | None = None) -> "Slots":
+        """Batch slots that decode several sequences together (see `strata.runtime.slots`); `lookahead` and
+        `batch_groups` default to the engine's settings."""
         from strata.runtime.slots import Slots
 
-        return Slots(self, num_slots, self.batch_groups, self.lookahead if lookahead is None else lookahead)
+        groups = self.batch_groups if batch_groups is None else batch_groups
+        if groups > 1 and len(self.stages) == 1:
+            raise StrataError(f"--batch-groups {groups} needs --layer-split: groups pipeline through stages")
+        return Slots(self, num_slots, groups, self.lookahead if lookahead is None else lookahead)
 
     def new_state(self) -> SessionState:
         return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype,
