@@ -213,3 +213,30 @@ def test_scheduler_with_lookahead_stops_and_readmits_a_slot(engine):
     rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
     assert rest == engine.generate(prompt(3), 40, stop_ids=NO_STOP).ids
     assert f"BDONE 1 length {len(prompt(3))} 40" in out and f"BDONE 0 length {len(follow_up)} 30" in out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED[0], SAMPLED[1], SAMPLED[5]],
+                         ids=["greedy", "sampled", "top_p", "penalties"])
+def test_the_solo_path_one_step_ahead_gives_the_same_tokens(engine, params):
+    """`lookahead` 1 on the solo path (the GPU default): each step launched before the host reads the last token.
+    Same tokens; the state holds exactly the tokens it read, the stop token included when one ended it, and a
+    generation closed early leaves it whole too. (Penalties keep the host first: they count on the host.)"""
+    want = engine.generate(prompt(3), 30, params, stop_ids=NO_STOP).ids
+    saved, engine.lookahead = engine.lookahead, 1
+    try:
+        assert engine._runs_ahead(params) == (not params.has_penalties)
+        assert engine.generate(prompt(3), 30, params, stop_ids=NO_STOP).ids == want
+        stop = next((want[j] for j in range(1, 30) if want[j] not in want[:j]), want[0])  # ends where it first occurs
+        state = engine.new_state()
+        got = [t for t, _ in engine.stream(prompt(3), 30, params, frozenset({stop}), state=state)]
+        assert got == want[: want.index(stop) + 1]
+        assert state.tokens == (prompt(3) + got)[: state.length] and state.length == len(state.tokens)
+        assert state.length == len(prompt(3)) + len(got) - (0 if engine._runs_ahead(params) else 1)
+        state = engine.new_state()
+        steps = engine.stream(prompt(3), 30, params, NO_STOP, state=state)
+        early = [next(steps)[0] for _ in range(5)]
+        steps.close()
+        assert early == want[:5] and state.tokens == (prompt(3) + want)[: state.length] == state.tokens[: state.length]
+        assert state.length == len(state.tokens)
+    finally:
+        engine.lookahead = saved

@@ -149,6 +149,9 @@ class Engine:
         elif state.length >= len(prompt_ids) or state.tokens != prompt_ids[: state.length]:
             state.reset()  # it holds another conversation
         logits = self.run(state, prompt_ids[state.length :])
+        if self._runs_ahead(params):
+            yield from self._stream_ahead(state, logits, max_new_tokens, params, stops)
+            return
         history = list(prompt_ids)
         for n in range(max_new_tokens):
             token = self._sample(logits[-1:], params, state.length, history, len(prompt_ids))
@@ -161,6 +164,51 @@ class Engine:
                 return
             yield token, None
             logits = self.run(state, [token])
+
+    def _runs_ahead(self, params: SamplingParams) -> bool:
+        """Whether the solo path launches each step before reading the last one's token (`lookahead`: 1 by default
+        on a GPU). Penalties keep it reading first: they count the tokens on the host."""
+        ahead = self.lookahead if self.lookahead is not None else int(self.device.type == "cuda")
+        return ahead == 1 and not params.has_penalties
+
+    def _stream_ahead(self, state: SessionState, logits: torch.Tensor, max_new_tokens: int, params: SamplingParams,
+                      stops: frozenset[int]) -> Iterator[tuple[int, str | None]]:
+        """`stream`'s decode loop with the next step launched before the host reads this one's token (as batch
+        slots do with `--lookahead 1`): the sampled token stays on the device and feeds the next window, and the
+        host reads it through pinned memory behind an event. A step that cannot be the last is launched ahead; one
+        behind a stop token is computed and kept (the state then holds the stop token, as its tokens say)."""
+        def launch_sample(logits: torch.Tensor, position: int):
+            token = sample(logits[-1:], [params], [position])  # [1] on the device
+            if token.device.type != "cuda":
+                return token, token, None
+            host = torch.empty(1, dtype=token.dtype, pin_memory=True)
+            host.copy_(token, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(token.device))
+            return token, host, ready
+
+        pending = launch_sample(logits, state.length)
+        for n in range(max_new_tokens):
+            last = n + 1 == max_new_tokens or state.length + 1 >= self.max_cells
+            current = pending
+            if not last:  # the next step, fed on the device from this one's token
+                window = Window.build([(state, [0], True)], self.device)
+                window.tokens, window.host = current[0], (None, *window.host[1:])
+                next_logits = self.forward(window)
+                state.length += 1  # the row is the state's now; its token joins `state.tokens` once read below
+                pending = launch_sample(next_logits, state.length)
+            if current[2] is not None:
+                current[2].synchronize()
+            token = int(current[1][0])
+            if not last:
+                state.tokens.append(token)
+            if token in stops:
+                yield token, "stop"
+                return
+            if last:
+                yield token, "length"
+                return
+            yield token, None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  stop_ids: frozenset[int] | None = None) -> Generation:
