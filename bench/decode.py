@@ -6,8 +6,8 @@ host reads the one in flight), the same with no window ahead (`lookahead` 0) and
 only once the one before it has finished (no programmatic dependent launch), `transformers.generate` on the very same weights (its model's tensors are
 shared with Strata's, not copied), and the step's roofline: measured copy bandwidth over the bytes the step
 must read (dense weights, the distinct experts its rows actually routed to, the K/V cells and GDN states).
-Before timing it checks that a row's logits are bitwise the same alone and in a batch, and that greedy
-conversations in a batch equal their solo runs.
+Before timing it checks that a row's logits are bitwise the same alone and in a batch, that greedy
+conversations in a batch equal their solo runs, and whether seeded sampling repeats itself run to run.
 
     python bench/decode.py --shape qwen3-30b-a3b --concurrency 1,8,32,64
     python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64
@@ -122,6 +122,21 @@ def distinct_experts(spec, rows: int) -> float:
     return e * (1 - (1 - k / e) ** rows)
 
 
+def check_sampled_repeats(engine, vocab: int, tokens: int = 48) -> tuple[bool, bool]:
+    """Seeded sampling (temperature 0.8, top-p 0.9) run twice the same way: (the prompt read's logits are bitwise
+    the same both times, the tokens are the same both times). Found untrue on the H200 on 2026-11-30 for the
+    tokens; the first says whether the prompt read is where runs differ."""
+    from strata.runtime.sampling import SamplingParams
+
+    prompt = [(3 + 7919 * j) % vocab for j in range(96)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    reads, runs = [], []
+    for _ in range(2):
+        reads.append(engine.run(engine.new_state(), prompt).clone())
+        runs.append(engine.generate(prompt, tokens, params, stop_ids=frozenset()).ids)
+    return torch.equal(reads[0], reads[1]), runs[0] == runs[1]
+
+
 def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150) -> tuple[bool, bool]:
     prompts = [[(1000 + 7919 * i + 104729 * j) % vocab for j in range(16 + i)] for i in range(64)]
     none = frozenset()
@@ -207,6 +222,9 @@ def main() -> None:
         invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
         print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
               f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
+        read_same, sampled_same = check_sampled_repeats(engine, spec.vocab_size)
+        print(f"seeded sampling run twice: prompt-read logits bitwise equal: {'yes' if read_same else 'NO'}; "
+              f"tokens equal: {'yes' if sampled_same else 'NO'}")
     print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'no PDL':>8} {'transformers':>13} {'speedup':>8} "
           f"{'experts/layer':>14} {'roofline tok/s':>15} {'of roofline':>12}")
     for rows in [int(c) for c in args.concurrency.split(",")]:
