@@ -3,10 +3,10 @@
 Admission (with `--batch N`): a request alone takes the solo path (GEN, the fastest single stream when the
 engine reads each window before launching the next). When another arrives, the solo run is STOPped and, at its
 DONE, continues in a slot (BGEN ... resume=g with its prompt plus what it generated: the engine reuses its state,
-so the answer is unchanged) and the newcomer is admitted beside it. An engine that runs batch windows ahead of
-the host (its READY facts say `lookahead` 1, the GPU default) gets every request in a slot, a lone one too: a
-slot is then as fast alone and never has to move when a second request arrives. When every slot is busy, requests wait in FIFO order. Without
-`--batch`, requests queue FIFO for the solo path.
+so the answer is unchanged) and the newcomer is admitted beside it. An engine that runs windows ahead of the
+host (its READY facts say `lookahead` 1, the GPU default) gets every request in a slot, a lone one too: a slot
+is then as fast alone and never has to move when a second request arrives. When every slot is busy, requests
+wait in FIFO order. Without `--batch`, requests queue FIFO for the solo path.
 
 A request that is abandoned (client gone, stop string, consumer done) is stopped and its solo run or slot is
 freed only at its DONE / BDONE, so no token of the abandoned answer reaches the next request. All state

@@ -17,7 +17,7 @@ from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
 from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams, sample, token_counts
-from strata.runtime.window import Window
+from strata.runtime.window import Window, host_copy
 from strata.state.parking import ParkingLot, park_budget, reuse_prefix
 from strata.state.session import SessionState, StatePool
 
@@ -47,7 +47,9 @@ class Engine:
         self.max_cells = min(max_cells, self.spec.max_positions)
         self.prefill_chunk = prefill_chunk
         self.batch_groups = batch_groups
-        self.lookahead = lookahead  # batch windows a slot group runs ahead of the one read (strata.runtime.slots)
+        # steps launched ahead of the one the host reads (batch slots and the solo path): 1 by default on a GPU,
+        # where the host then works while the device computes, 0 on the CPU, where the host computes
+        self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
@@ -99,7 +101,7 @@ class Engine:
         groups = self.batch_groups if batch_groups is None else batch_groups
         if groups > 1 and len(self.stages) == 1:
             raise StrataError(f"--batch-groups {groups} needs --layer-split: groups pipeline through stages")
-        return Slots(self, num_slots, groups, self.lookahead if lookahead is None else lookahead)
+        return Slots(self, num_slots, groups, lookahead)
 
     def new_state(self) -> SessionState:
         return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype,
@@ -166,10 +168,9 @@ class Engine:
             logits = self.run(state, [token])
 
     def _runs_ahead(self, params: SamplingParams) -> bool:
-        """Whether the solo path launches each step before reading the last one's token (`lookahead`: 1 by default
-        on a GPU). Penalties keep it reading first: they count the tokens on the host."""
-        ahead = self.lookahead if self.lookahead is not None else int(self.device.type == "cuda")
-        return ahead == 1 and not params.has_penalties
+        """Whether the solo path launches each step before reading the last one's token (`lookahead`). Penalties
+        keep it reading first: they count the tokens on the host."""
+        return self.lookahead == 1 and not params.has_penalties
 
     def _stream_ahead(self, state: SessionState, logits: torch.Tensor, max_new_tokens: int, params: SamplingParams,
                       stops: frozenset[int]) -> Iterator[tuple[int, str | None]]:
@@ -179,21 +180,15 @@ class Engine:
         behind a stop token is computed and kept (the state then holds the stop token, as its tokens say)."""
         def launch_sample(logits: torch.Tensor, position: int):
             token = sample(logits[-1:], [params], [position])  # [1] on the device
-            if token.device.type != "cuda":
-                return token, token, None
-            host = torch.empty(1, dtype=token.dtype, pin_memory=True)
-            host.copy_(token, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(token.device))
-            return token, host, ready
+            return (token, *host_copy(token))
 
         pending = launch_sample(logits, state.length)
         for n in range(max_new_tokens):
             last = n + 1 == max_new_tokens or state.length + 1 >= self.max_cells
             current = pending
             if not last:  # the next step, fed on the device from this one's token
-                window = Window.build([(state, [0], True)], self.device)
-                window.tokens, window.host = current[0], (None, *window.host[1:])
+                window = Window.build([(state, [0], True)], self.device, fed=True)
+                window.tokens = current[0]
                 next_logits = self.forward(window)
                 state.length += 1  # the row is the state's now; its token joins `state.tokens` once read below
                 pending = launch_sample(next_logits, state.length)

@@ -25,7 +25,7 @@ from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
 from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.window import Window, row_tensor
+from strata.runtime.window import Window, host_copy, row_tensor
 from strata.state.session import SessionState
 
 
@@ -70,11 +70,12 @@ class SlotWindow:
 
 
 class Slots:
-    """`init_slots` makes these; `run_slots` + `commit_slots` step synchronously, `batch_launch` + `batch_poll` without blocking."""
+    """`init_slots` makes these; `step` / `flush` run windows in flight (the engine process), `run_slots` +
+    `commit_slots` one window at a time."""
 
     def __init__(self, engine: Engine, num_slots: int, num_groups: int = 1, lookahead: int | None = None):
-        """`lookahead`: windows a group launches beyond the one the host reads next (0 or 1; default 1 on a GPU,
-        where it lets the host work while the device computes, and 0 on the CPU, where the host computes)."""
+        """`lookahead`: windows a group launches beyond the one the host reads next (0 or 1; default: the engine's,
+        `Engine.lookahead`)."""
         if not 1 <= num_slots <= 256:
             raise StrataError(f"--batch {num_slots}: the number of slots must be between 1 and 256")
         if not 1 <= num_groups <= num_slots:
@@ -86,7 +87,7 @@ class Slots:
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
         if lookahead is None:
-            lookahead = 1 if engine.device.type == "cuda" else 0
+            lookahead = engine.lookahead
         if lookahead not in (0, 1):
             raise StrataError(f"--lookahead {lookahead}: a group runs at most one window ahead (0 or 1)")
         self.lookahead = lookahead
@@ -208,7 +209,7 @@ class Slots:
         if not rows:
             return False
         parts = [(self.slots[i].state, [self.slots[i].next_token if latest is None else 0], False) for i in rows]
-        window = Window.build(parts, self.engine.device)
+        window = Window.build(parts, self.engine.device, fed=latest is not None)
         sw = SlotWindow(window, rows, group=group)
         params = [self.slots[i].params for i in rows]
         positions = [p + 1 for p in window.host[1]]  # the position each sampled token will take
@@ -216,13 +217,7 @@ class Slots:
         def then(logits: torch.Tensor) -> None:  # on the last stage's device (its worker, for pipelined groups)
             sw.logits = logits
             sw.sampled = self._sample(rows, logits, params, positions)
-            if sw.sampled.device.type == "cuda":
-                sw.host = torch.empty(sw.sampled.shape, dtype=sw.sampled.dtype, pin_memory=True)
-                sw.host.copy_(sw.sampled, non_blocking=True)
-                sw.copied = torch.cuda.Event()
-                sw.copied.record(torch.cuda.current_stream(sw.sampled.device))
-            else:
-                sw.host = sw.sampled
+            sw.host, sw.copied = host_copy(sw.sampled)
 
         feed = None
         if latest is not None:
@@ -234,7 +229,6 @@ class Slots:
                     latest.future.result()
                 return Handoff(latest.sampled, latest.copied), index
 
-            window.tokens, window.host = None, (None, *window.host[1:])
         if len(self.groups) == 1:
             if feed is not None:
                 sent, index = feed()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -148,11 +149,9 @@ class Pipeline:
 
     def _fed_tokens(self, stage: Stage, sent: Handoff, index: list[int] | None) -> torch.Tensor:
         """The first stage's input tokens from the last stage's sampled ones: copied like a hand-off, then picked."""
-        if stage.stream is None:
-            tokens = self._receive(stage, sent, self.stages[-1])
-            return tokens if index is None else tokens[torch.tensor(index)]
-        torch.cuda.set_device(stage.device)
-        with torch.cuda.stream(stage.stream):
+        if stage.stream is not None:
+            torch.cuda.set_device(stage.device)
+        with torch.cuda.stream(stage.stream) if stage.stream is not None else nullcontext():
             tokens = self._receive(stage, sent, self.stages[-1])
             return tokens if index is None else tokens[row_tensor(index, torch.int64, stage.device)]
 

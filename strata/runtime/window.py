@@ -19,6 +19,18 @@ def row_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> 
     return t.to(device)
 
 
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """`t` on its way to host memory without waiting: a pinned copy and the event to synchronize on before reading
+    it (queued on the current stream of `t`'s device). On the CPU, `t` itself and no event."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(t.device))
+    return host, ready
+
+
 @dataclass
 class Segment:
     """The rows [start, stop) of a window: consecutive positions of one sequence, from `first_pos`."""
@@ -53,8 +65,11 @@ class Window:
         return len(self.segments) == self.num_rows
 
     @classmethod
-    def build(cls, parts: list[tuple[SessionState, list[int], bool]], device: torch.device) -> "Window":
-        """parts: (state, token ids continuing that state, whether every row wants logits — else only the last)."""
+    def build(cls, parts: list[tuple[SessionState, list[int], bool]], device: torch.device,
+              fed: bool = False) -> "Window":
+        """parts: (state, token ids continuing that state, whether every row wants logits — else only the last).
+        `fed`: the rows' tokens are on the device only (sampled by the window before): the ids just count the rows,
+        and `tokens` stays None until the caller sets it."""
         tokens, positions, segments, logit_rows = [], [], [], []
         row = 0
         for state, ids, all_logits in parts:
@@ -68,8 +83,9 @@ class Window:
         pools = {id(s.state.pool): s.state.pool for s in segments}
         pool = next(iter(pools.values())) if len(pools) == 1 else None
         seq_list = [s.state.index for s in segments]
-        return cls(as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool,
-                   row_tensor(seq_list, torch.int32, device), (tokens, positions, logit_rows, seq_list))
+        host_tokens = None if fed else tokens
+        return cls(None if fed else as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool,
+                   row_tensor(seq_list, torch.int32, device), (host_tokens, positions, logit_rows, seq_list))
 
     def on(self, device: torch.device) -> "Window":
         """This window with its row tensors on `device`, copied from the host (for a stage on another device:
