@@ -31,7 +31,18 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=5),
     ExpertTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
     ExpertTiles(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4),
+    ExpertTiles(block_m=16, block_n=16, block_k=256, num_warps=4, num_stages=3),
+    ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
+    ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=256),
+    ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
+    ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
 ]
+
+
+def _label(t: ExpertTiles) -> str:
+    down = f" down {t.down_n}x{t.down_k}" if t.down_n else ""
+    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}"
 
 
 def main() -> None:
@@ -51,7 +62,7 @@ def main() -> None:
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
           f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>32} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8}")
+    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>44} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(rows, h, device=dev, dtype=dt)
         weights, ids = route_triton(torch.randn(rows, m.num_experts, device=dev), m.top_k, True)
@@ -61,11 +72,11 @@ def main() -> None:
             try:
                 sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20, graph=True)
             except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
-                print(f"{rows:4d} {str((t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)):>32} failed: "
+                print(f"{rows:4d} {_label(t):>44} failed: "
                       f"{type(e).__name__}")
                 continue
             tb = distinct * per_expert / sec / 1e12
-            print(f"{rows:4d} {str((t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)):>32} "
+            print(f"{rows:4d} {_label(t):>44} "
                   f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%}")
 
 

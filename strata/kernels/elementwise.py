@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.deferred import SplitSum, load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
 BLOCK = 1024
@@ -35,15 +36,16 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: to
 
 
 @triton.jit
-def _silu_mul_kernel(p_in, p_out, I, s_in, s_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(p_in, p_out, I, s_in, s_out, s_chunk, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     wait_for_prior(PDL)
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < I
     p_row = p_in + i_r.to(tl.int64) * s_in
-    b_gate = tl.load(p_row + o_n, mask=m_n, other=0.0)
-    b_up = tl.load(p_row + I + o_n, mask=m_n, other=0.0)
     ty = p_out.dtype.element_ty
+    b_gate = load_rows(p_row + o_n, m_n, s_chunk, SPLIT, ty)
+    b_up = load_rows(p_row + I + o_n, m_n, s_chunk, SPLIT, ty)
     b_act = (b_gate.to(tl.float32) * tl.sigmoid(b_gate.to(tl.float32))).to(ty)  # F.silu, rounded
     tl.store(p_out + i_r.to(tl.int64) * s_out + o_n, (b_act.to(tl.float32) * b_up.to(tl.float32)).to(ty), mask=m_n)
 
@@ -84,14 +86,15 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu_mul` in one launch. gate_up: [R, 2I], unit column stride."""
-    assert _rows(gate_up) and gate_up.shape[1] % 2 == 0
+def silu_mul_triton(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:
+    """`silu_mul` in one launch. gate_up: [R, 2I], unit column stride (or a `SplitSum` of it, added up here)."""
+    assert gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
     r, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(r, i, dtype=gate_up.dtype, device=gate_up.device)  # [R, I]
+    p, s_chunk, split = source(gate_up)
     if r and i:
-        _silu_mul_kernel[(r, triton.cdiv(i, BLOCK))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
-                                                      **pdl(gate_up))
+        _silu_mul_kernel[(r, triton.cdiv(i, BLOCK))](p, out, i, gate_up.stride(0), out.stride(0), s_chunk,
+                                                      SPLIT=split, BLOCK=BLOCK, **pdl(p))
     return out
 
 

@@ -6,8 +6,8 @@ and runs its K loop in one fixed order, and no arithmetic crosses rows. BLOCK_M 
 16: a decode window of up to 16 rows reads the weight exactly once, which is what the step costs (it is
 bound by reading W). A narrow weight (few BLOCK_N tiles) would keep most of the GPU idle, so K is split
 into `split_k(N, K)` chunks, a number fixed by the weight's shape alone: each program sums one chunk, and a
-second kernel adds the chunks' float32 partial sums in chunk order. `linear_reference` is the torch op it
-mirrors.
+second kernel adds the chunks' float32 partial sums in chunk order — or the kernel that reads the result adds
+them as it loads it (`linear_split`, `deferred.SplitSum`). `linear_reference` is the torch op it mirrors.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.deferred import SplitSum, finish, sum_chunks
 from strata.kernels.pdl import pdl, wait_for_prior
 
 BLOCK_M = 16
@@ -97,19 +98,65 @@ def linear_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _sum_chunks_kernel(p_part, p_b, p_out, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _sum_chunks_kernel(p_part, p_b, p_out, s_chunk, s_pm, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = sum over chunks s = 0, 1, ... of part[s, m, n] (+ bias), in that order."""
     wait_for_prior(PDL)
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
-    b_acc = tl.full([BLOCK], 0.0, tl.float32)
-    for i_s in tl.static_range(SPLIT):
-        b_acc += tl.load(p_part + (i_s * M + i_m).to(tl.int64) * N + o_n, mask=m_n, other=0.0)
+    b_acc = sum_chunks(p_part + i_m.to(tl.int64) * s_pm + o_n, m_n, s_chunk, SPLIT)
     if HAS_BIAS:
         b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)
     tl.store(p_out + i_m.to(tl.int64) * stride_om + o_n, b_acc.to(p_out.dtype.element_ty), mask=m_n)
+
+
+def sum_chunks_triton(value: SplitSum, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A SplitSum of [M, N] finished: its chunks added in order (+ bias), rounded to its dtype."""
+    parts = value.parts.reshape(value.splits, -1, value.shape[-1])  # [S, M, N], a copy only if not a view
+    if parts.stride(2) != 1:
+        parts = parts.contiguous()
+    s, m, n = parts.shape
+    out = torch.empty(m, n, dtype=value.dtype, device=parts.device)  # [M, N]
+    if m and n:
+        _sum_chunks_kernel[(m, triton.cdiv(n, 1024))](
+            parts, bias if bias is not None else parts, out, parts.stride(0), parts.stride(1), n, out.stride(0),
+            SPLIT=s, HAS_BIAS=bias is not None, BLOCK=1024, **pdl(parts))
+    return out.reshape(value.shape)
+
+
+def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | SplitSum:
+    """`linear_triton`, except that a weight split over K chunks returns its chunks unsummed (a `SplitSum`, for a
+    reader that adds them as it loads them; `deferred.finish` adds them on their own). With a bias, or a weight
+    wide enough not to split, the result is the finished tensor."""
+    m, k = x.shape
+    n, k_w = weight.shape
+    assert k == k_w, f"x has K={k}, weight has K={k_w}"
+    assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
+    block_n, block_k, num_stages = CONFIGS[x.dtype]
+    split = split_k(n, k, block_n, block_k) if m and n else 1
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N] the chunks' sums
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
+    linear_kernel[grid](
+        x, weight, bias if bias is not None else x, out,
+        m, n, k, k // split if split > 1 else k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(-2),
+        HAS_BIAS=bias is not None,
+        PARTIAL=split > 1,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=NUM_WARPS, num_stages=num_stages, **pdl(x)
+    )
+    if split == 1:
+        return out
+    value = SplitSum(out, x.dtype)
+    return sum_chunks_triton(value, bias) if bias is not None else value
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,31 +164,4 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     float32 inputs multiply in full float32 (as F.linear does by default), the 16-bit ones on tensor
     cores; all accumulate in float32."""
-    m, k = x.shape
-    n, k_w = weight.shape
-    assert k == k_w, f"x has K={k}, weight has K={k_w}"
-    assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
-    block_n, block_k, num_stages = CONFIGS[x.dtype]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
-    if m == 0 or n == 0:
-        return out
-    split = split_k(n, k, block_n, block_k)
-    chunk = k // split if split > 1 else k
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None  # [S, M, N]
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
-    linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out if partial is None else partial,
-        m, n, k, chunk,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None,
-        PARTIAL=partial is not None,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=num_stages, **pdl(x)
-    )
-    if partial is not None:
-        _sum_chunks_kernel[(m, triton.cdiv(n, 1024))](
-            partial, bias if bias is not None else x, out, m, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **pdl(x))
-    return out
+    return finish(linear_split(x, weight, bias))

@@ -6,7 +6,7 @@ the shapes, and give each row the same bits whatever other rows share the call."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.elementwise import sigmoid_gate_add, sigmoid_gate_add_triton, silu_mul, silu_mul_triton
+from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
+from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
@@ -103,6 +104,8 @@ class ExpertTiles:
     num_warps: int = 4
     num_stages: int = 3
     combine_n: int = BLOCK_N  # columns per program of the combine (a row's sum order does not depend on it)
+    down_n: int | None = None  # the down projection's columns and reduction step per tile, if not block_n/k
+    down_k: int | None = None
 
 
 # Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
@@ -112,14 +115,15 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 
 
 @triton.jit
-def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
+def _route_kernel(p_logits, p_weights, p_ids, E, s_r, s_chunk, SPLIT: tl.constexpr, TY: tl.constexpr,
                   K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
                   PDL: tl.constexpr):
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
-    b_p = tl.load(p_logits + i_r * s_r + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+    b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY).to(tl.float32)
+    b_p = tl.where(m_e, b_p, float("-inf"))
     b_p = tl.exp(b_p - tl.max(b_p, axis=0))
     b_p = b_p / tl.sum(b_p, axis=0)
     b_p = tl.where(m_e, b_p, -1.0)  # padding lanes are never picked
@@ -140,17 +144,19 @@ def _route_kernel(p_logits, p_weights, p_ids, E, s_r,
     tl.store(p_ids + i_r * K_TOP + o_j, b_i, mask=m_j)
 
 
-def route_triton(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [R, E] router logits (any float dtype) -> (weights [R, k] float32, expert ids [R, k] int32).
-    Softmax in float32 and top-k like `route`, one program per row."""
+def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [R, E] router logits (any float dtype, or a `SplitSum` the kernel adds up first) -> (weights [R, k]
+    float32, expert ids [R, k] int32). Softmax in float32 and top-k like `route`, one program per row."""
     R, E = logits.shape
-    logits = logits.contiguous()
+    if isinstance(logits, torch.Tensor):
+        logits = logits.contiguous()
+    p, s_chunk, split = source(logits)
     weights = torch.empty(R, top_k, dtype=torch.float32, device=logits.device)  # [R, k]
     ids = torch.empty(R, top_k, dtype=torch.int32, device=logits.device)  # [R, k]
     if R:
-        _route_kernel[(R,)](logits, weights, ids, E, logits.stride(0), K_TOP=top_k, NORM_TOPK=norm_topk,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(top_k),
-                            **pdl(logits))
+        _route_kernel[(R,)](p, weights, ids, E, logits.stride(0), s_chunk, SPLIT=split, TY=tl_dtype(logits.dtype),
+                            K_TOP=top_k, NORM_TOPK=norm_topk, BLOCK_E=triton.next_power_of_2(E),
+                            BLOCK_TOP=triton.next_power_of_2(top_k), **pdl(p))
     return weights, ids
 
 
@@ -216,23 +222,31 @@ def _down_kernel(p_h, p_w, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_w
 
 
 @triton.jit
-def _combine_kernel(p_y, p_ids, p_out, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PDL: tl.constexpr):
-    """out[row] = sum of the row's k pair outputs, in ascending expert id."""
+def _combine_kernel(p_y, p_ids, p_s, p_g, p_out, E, H, s_s, s_chunk_s, s_g, s_chunk_g,
+                    K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, SHARED: tl.constexpr, SPLIT_S: tl.constexpr,
+                    SPLIT_G: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """out[row] = the row's k pair outputs added in ascending expert id, rounded, plus the shared expert."""
     wait_for_prior(PDL)
     i_r, i_n = tl.program_id(0), tl.program_id(1)
-    o_j = tl.arange(0, BLOCK_TOP)
-    b_ids = tl.load(p_ids + i_r * K_TOP + o_j, mask=o_j < K_TOP, other=E)  # [BT], E in padding lanes
-    b_ids = tl.minimum(b_ids, E)  # ids >= E: experts not held here, skipped like padding
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    b_out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for _ in tl.static_range(K_TOP):
-        b_min = tl.min(b_ids, axis=0)
-        i_j = tl.min(tl.where(b_ids == b_min, o_j, BLOCK_TOP), axis=0)
-        b_ids = tl.where(o_j == i_j, E, b_ids)
-        b_out += tl.load(p_y + (i_r * K_TOP + i_j).to(tl.int64) * H + o_n, mask=m_n & (b_min < E), other=0.0)
-    tl.store(p_out + i_r.to(tl.int64) * H + o_n, b_out.to(p_out.dtype.element_ty), mask=m_n)
+    ty = p_out.dtype.element_ty
+    b_out = sum_pairs(p_y, p_ids, i_r, o_n, m_n, E, H, K_TOP, BLOCK_TOP).to(ty)
+    b_out = add_shared(b_out, p_s + i_r.to(tl.int64) * s_s + o_n, s_chunk_s, p_g + i_r.to(tl.int64) * s_g, s_chunk_g,
+                       m_n, SHARED, SPLIT_S, SPLIT_G, ty)
+    tl.store(p_out + i_r.to(tl.int64) * H + o_n, b_out, mask=m_n)
+
+
+def combine_triton(value: PairSum, block_n: int = BLOCK_N) -> torch.Tensor:
+    """A PairSum finished: [R, H] in its dtype (each row's pairs in ascending expert id, then the shared expert)."""
+    R, H = value.shape
+    out = torch.empty(R, H, dtype=value.dtype, device=value.device)  # [R, H]
+    if R and H:
+        a = pair_args(value)
+        y, ids, s, g = a["tensors"]
+        _combine_kernel[(R, triton.cdiv(H, block_n))](y, ids, s, g, out, value.num_experts, H, *a["strides"],
+                                                      **a["meta"], BLOCK_N=block_n, **pdl(y))
+    return out
 
 
 @triton.jit
@@ -310,22 +324,22 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES) -> torch.Tensor:
+                         down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False
+                         ) -> torch.Tensor | PairSum:
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
     A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES.
     A pair whose id is >= E (an expert not held on this device: the CPU expert pool computes it) is never
-    computed and adds nothing; the rows' other pairs keep their bits."""
+    computed and adds nothing; the rows' other pairs keep their bits. `defer`: return the pairs' outputs as a
+    `PairSum` for the next kernel to add (no combine launch)."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
     P = R * k
-    out = torch.empty_like(x)  # [R, H]
-    if P == 0:
-        return out
-    if E == 0:  # no expert held here: every pair is skipped
-        return out.zero_()
+    if P == 0 or E == 0:  # no rows, or no expert held here: every pair adds nothing
+        pairs = PairSum(torch.empty(P, H, dtype=torch.float32, device=x.device), ids, E, x.dtype)
+        return pairs if defer else combine_triton(pairs, tiles.combine_n)
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     bm = tiles.block_m
@@ -339,12 +353,12 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(), K_TOP=k, **t,
         **pdl(x))
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
-    _down_kernel[(max_blocks, triton.cdiv(H, tiles.block_n))](
-        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(), **t,
-        **pdl(x))
-    _combine_kernel[(R, triton.cdiv(H, tiles.combine_n))](
-        y, ids, out, E, H, K_TOP=k, BLOCK_TOP=triton.next_power_of_2(k), BLOCK_N=tiles.combine_n, **pdl(y))
-    return out
+    t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k)
+    _down_kernel[(max_blocks, triton.cdiv(H, t_down["BLOCK_N"]))](
+        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(),
+        **t_down, **pdl(x))
+    pairs = PairSum(y, ids, E, x.dtype)
+    return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
 def moe_triton(
@@ -358,9 +372,14 @@ def moe_triton(
     shared_gate: torch.Tensor | None = None,
     linear: Linear = F.linear,
     tiles: ExpertTiles = DECODE_TILES,
-) -> torch.Tensor:
-    """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products."""
+    defer: bool = False,
+) -> torch.Tensor | PairSum:
+    """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products (it
+    may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish."""
     weights, ids = route_triton(linear(x, router), top_k, norm_topk)
-    out = fused_experts_triton(x, weights, ids, gate_up, down, tiles)
-    return add_shared_expert(out, x, shared, shared_gate, lambda *a: swiglu(*a, linear=linear, act=silu_mul_triton),
-                             linear, sigmoid_gate_add_triton)
+    pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True)
+    if shared is not None:
+        s = linear(silu_mul_triton(linear(x, shared[0])), shared[1])
+        g = linear(x, shared_gate) if shared_gate is not None else None
+        pairs = replace(pairs, shared=s, shared_gate=g)
+    return pairs if defer else combine_triton(pairs, tiles.combine_n)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.deferred import load_rows, source, tl_dtype
 from strata.kernels.pdl import pdl, wait_for_prior
 
 from strata.kernels.rmsnorm import rms_norm_triton
@@ -38,8 +39,8 @@ def qk_prep_reference(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_
 def _qk_prep_kernel(
     p_q, p_k, p_v, p_qn, p_kn, p_pos, p_seq, p_inv_freq, p_q_out, p_k_pool, p_v_pool,
     s_qr, s_qh, s_kr, s_kh, s_vr, s_vh, s_ps, s_pc, s_ph,
-    H, HKV, D, HALF, eps,
-    QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    H, HKV, D, HALF, eps, s_chunk,
+    SPLIT: tl.constexpr, TY: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -62,12 +63,12 @@ def _qk_prep_kernel(
     b_rstd = 1.0
     if QK_NORM:  # rms_norm_triton's reduction over the whole head vector
         o_d = tl.arange(0, BLOCK_D)
-        b_all = tl.load(p_x + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+        b_all = load_rows(p_x + o_d, o_d < D, s_chunk, SPLIT, TY).to(tl.float32)
         b_rstd = tl.rsqrt(tl.sum(b_all * b_all, axis=0) / D + eps)
     o_j = tl.arange(0, BLOCK_HALF)
     m_j = o_j < HALF
-    b_lo = tl.load(p_x + o_j, mask=m_j, other=0.0)
-    b_hi = tl.load(p_x + HALF + o_j, mask=m_j, other=0.0)
+    b_lo = load_rows(p_x + o_j, m_j, s_chunk, SPLIT, TY)
+    b_hi = load_rows(p_x + HALF + o_j, m_j, s_chunk, SPLIT, TY)
     if QK_NORM:  # normalised and rounded to the model's dtype, as the norm kernel stores it
         b_lo = (b_lo.to(tl.float32) * b_rstd * tl.load(p_w + o_j, mask=m_j, other=0.0)).to(b_lo.dtype)
         b_hi = (b_hi.to(tl.float32) * b_rstd * tl.load(p_w + HALF + o_j, mask=m_j, other=0.0)).to(b_hi.dtype)
@@ -81,14 +82,14 @@ def _qk_prep_kernel(
     if HAS_PASS:  # the dimensions past the rotary ones: normalised (when asked) and copied
         o_p = 2 * HALF + tl.arange(0, BLOCK_PASS)
         m_p = o_p < D
-        b_pass = tl.load(p_x + o_p, mask=m_p, other=0.0)
+        b_pass = load_rows(p_x + o_p, m_p, s_chunk, SPLIT, TY)
         if QK_NORM:
             b_pass = (b_pass.to(tl.float32) * b_rstd * tl.load(p_w + o_p, mask=m_p, other=0.0)).to(b_pass.dtype)
         tl.store(p_o + o_p, b_pass.to(ty), mask=m_p)
     if not is_q:  # the row's v head goes to the same cell
         o_d2 = tl.arange(0, BLOCK_D)
         m_d = o_d2 < D
-        b_v = tl.load(p_v + i_r * s_vr + i_h * s_vh + o_d2, mask=m_d, other=0.0)
+        b_v = load_rows(p_v + i_r * s_vr + i_h * s_vh + o_d2, m_d, s_chunk, SPLIT, TY)
         i_seq2 = tl.load(p_seq + i_r).to(tl.int64)
         i_cell2 = tl.load(p_pos + i_r).to(tl.int64)
         tl.store(p_v_pool + i_seq2 * s_ps + i_cell2 * s_pc + i_h * s_ph + o_d2, b_v.to(ty), mask=m_d)
@@ -96,7 +97,7 @@ def _qk_prep_kernel(
 
 def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids):
     """`qk_prep_reference` in one launch. q: [R, H, D], k, v: [R, Hkv, D] (any row and head strides, unit last
-    stride); q_norm, k_norm: [D] float32 or None (no norm); positions, seq_ids: [R] int32/int64; inv_freq:
+    stride; or all three views of one `SplitSum`, whose chunks are added as they are loaded); q_norm, k_norm: [D] float32 or None (no norm); positions, seq_ids: [R] int32/int64; inv_freq:
     [rotary_dim / 2] float32; k_pool, v_pool: [S, cells, Hkv, D] contiguous. Returns q rotated, [R, H, D]."""
     r, h, d = q.shape
     hkv = k.shape[1]
@@ -106,16 +107,18 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "the head dimension must be contiguous"
     assert (q_norm is None) == (k_norm is None)
     q_out = torch.empty((r, h, d), dtype=q.dtype, device=q.device)  # [R, H, D]
+    (p_q, s_chunk, split), (p_k, _, split_k), (p_v, _, split_v) = source(q), source(k), source(v)
+    assert split == split_k == split_v, "q, k and v: all tensors or all views of one SplitSum"
     if r:
         _qk_prep_kernel[(r, h + hkv)](
-            q, k, v, q_norm if q_norm is not None else inv_freq, k_norm if k_norm is not None else inv_freq,
+            p_q, p_k, p_v, q_norm if q_norm is not None else inv_freq, k_norm if k_norm is not None else inv_freq,
             positions, seq_ids, inv_freq.contiguous(), q_out, k_pool, v_pool,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            h, hkv, d, half, eps,
-            QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
+            h, hkv, d, half, eps, s_chunk,
+            SPLIT=split, TY=tl_dtype(q_out.dtype), QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
             num_warps=min(16, max(1, triton.next_power_of_2(d) // 512)),  # the norm kernel's: its sum order
-            **pdl(q),
+            **pdl(p_q),
         )
     return q_out

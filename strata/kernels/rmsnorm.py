@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.pdl import pdl, wait_for_prior
-
+from strata.kernels.deferred import PairSum, SplitSum, load_rows, pair_args, source, sum_pairs, add_shared, tl_dtype
 from strata.kernels.invariant import plain
+from strata.kernels.pdl import pdl, wait_for_prior
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,11 +49,20 @@ MAX_D = 16384
 
 
 @triton.jit
+def _normalize(b_x, p_w, o_d, m_d, D, eps):
+    """x / rms(x) * weight in float32, over one row vector held whole in the block."""
+    b_x = b_x.to(tl.float32)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    return b_x * b_rstd * b_w
+
+
+@triton.jit
 def _rms_norm_kernel(
-    p_x, p_res, p_gate, p_w, p_out, p_res_out,
-    stride_xr, stride_xh, stride_rr, stride_rh, stride_gr, stride_gh,
+    p_x, p_gate, p_w, p_out,
+    stride_xr, stride_xh, stride_gr, stride_gh,
     D, eps,
-    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK: tl.constexpr, GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
@@ -61,18 +70,37 @@ def _rms_norm_kernel(
     o_d = tl.arange(0, BLOCK)
     m_d = o_d < D
     b_x = tl.load(p_x + i_r * stride_xr + i_h * stride_xh + o_d, mask=m_d, other=0.0)
-    if ADD_RESIDUAL:
-        b_res = tl.load(p_res + i_r * stride_rr + i_h * stride_rh + o_d, mask=m_d, other=0.0)
-        b_x = (b_res.to(tl.float32) + b_x.to(tl.float32)).to(b_x.dtype)  # rounds as torch's residual + x
-        tl.store(p_res_out + (i_r * H + i_h) * D + o_d, b_x, mask=m_d)
-    b_x = b_x.to(tl.float32)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
-    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
-    b_y = b_x * b_rstd * b_w
+    b_y = _normalize(b_x, p_w, o_d, m_d, D, eps)
     if GATED:
         b_g = tl.load(p_gate + i_r * stride_gr + i_h * stride_gh + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
     tl.store(p_out + (i_r * H + i_h) * D + o_d, b_y.to(p_out.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    p_h, p_ids, p_s, p_g, p_res, p_w, p_out, p_res_out,
+    s_h, s_chunk_h, s_s, s_chunk_s, s_g, s_chunk_g, s_res, E, D, eps,
+    PAIRS: tl.constexpr, SPLIT: tl.constexpr, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, SHARED: tl.constexpr,
+    SPLIT_S: tl.constexpr, SPLIT_G: tl.constexpr, TY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """One row: h (a tensor, a SplitSum's chunks, or a PairSum's pairs and shared expert: finished here as their own
+    kernels would), residual + h rounded as torch's add, stored, then normalised."""
+    wait_for_prior(PDL)
+    i_r = tl.program_id(0)
+    r = i_r.to(tl.int64)
+    o_d = tl.arange(0, BLOCK)
+    m_d = o_d < D
+    if PAIRS:
+        b_h = sum_pairs(p_h, p_ids, i_r, o_d, m_d, E, D, K_TOP, BLOCK_TOP).to(TY)
+        b_h = add_shared(b_h, p_s + r * s_s + o_d, s_chunk_s, p_g + r * s_g, s_chunk_g, m_d, SHARED, SPLIT_S, SPLIT_G,
+                         TY)
+    else:
+        b_h = load_rows(p_h + r * s_h + o_d, m_d, s_chunk_h, SPLIT, TY)
+    b_res = tl.load(p_res + r * s_res + o_d, mask=m_d, other=0.0)
+    b_x = (b_res.to(tl.float32) + b_h.to(tl.float32)).to(TY)  # rounds as torch's residual + x
+    tl.store(p_res_out + r * D + o_d, b_x, mask=m_d)
+    tl.store(p_out + r * D + o_d, _normalize(b_x, p_w, o_d, m_d, D, eps).to(TY), mask=m_d)
 
 
 def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -83,41 +111,71 @@ def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return t, t.stride(0), t.stride(1) if t.dim() == 3 else 0
 
 
-def _launch_rms_norm(x, weight, eps, residual=None, gate=None):
+def _num_warps(block: int) -> int:
+    return min(16, max(1, block // 512))  # a row's sum order depends on it: one rule for every norm kernel
+
+
+def _launch_rms_norm(x, weight, eps, gate=None):
     d = x.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
     heads = x.shape[1] if x.dim() == 3 else 1
     x, sxr, sxh = _row_vectors(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [R, (H,) D]
-    res_out, srr, srh, sgr, sgh = None, 0, 0, 0, 0
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
-        residual, srr, srh = _row_vectors(residual)
-        res_out = torch.empty_like(out)  # [R, (H,) D]
+    sgr, sgh = 0, 0
     if gate is not None:
         assert gate.shape == x.shape
         gate, sgr, sgh = _row_vectors(gate)
     block = triton.next_power_of_2(d)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0], heads)](
-            x, residual, gate, weight.contiguous(), out, res_out,
-            sxr, sxh, srr, srh, sgr, sgh, d, eps,
-            BLOCK=block, ADD_RESIDUAL=residual is not None, GATED=gate is not None,
-            num_warps=min(16, max(1, block // 512)), **pdl(x)
+            x, gate, weight.contiguous(), out, sxr, sxh, sgr, sgh, d, eps,
+            BLOCK=block, GATED=gate is not None, num_warps=_num_warps(block), **pdl(x)
         )
-    return out, res_out
+    return out
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm` as one Triton program per row vector. x: [R, D] or [R, H, D]; weight: [D] float32."""
-    return _launch_rms_norm(x, weight, eps)[0]
+    return _launch_rms_norm(x, weight, eps)
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitSum | PairSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` in one pass: x, residual: [R, D] or [R, H, D], same dtype -> (normed, new residual)."""
-    return _launch_rms_norm(x, weight, eps, residual=residual)
+    """`add_rms_norm` in one pass: x, residual: [R, D] or [R, H, D], same dtype -> (normed, new residual).
+    x may be left unfinished by the kernel before (`deferred.SplitSum` or `PairSum`, [R, D]): it is finished here,
+    bitwise as its own kernel would have, at no launch of its own."""
+    shape, d = residual.shape, residual.shape[-1]
+    assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
+    assert tuple(x.shape) == tuple(shape) and x.dtype == residual.dtype, "x and residual: same shape and dtype"
+    if isinstance(x, torch.Tensor):
+        x = x.reshape(-1, d)
+    residual = residual.reshape(-1, d)
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    rows = residual.shape[0]
+    out = torch.empty(rows, d, dtype=residual.dtype, device=residual.device)  # [rows, D]
+    res_out = torch.empty_like(out)  # [rows, D]
+    block = triton.next_power_of_2(d)
+    if rows:
+        if isinstance(x, PairSum):
+            a = pair_args(x)
+            h, ids, s, g = a["tensors"]
+            src = dict(PAIRS=True, SPLIT=0, **a["meta"])
+            strides, s_h, s_chunk_h, e = a["strides"], 0, 0, x.num_experts
+        else:
+            if isinstance(x, torch.Tensor) and x.stride(-1) != 1:
+                x = x.contiguous()
+            h, s_chunk_h, split = source(x)
+            ids = s = g = h
+            s_h, strides, e = x.stride(0), (0, 0, 0, 0), 0
+            src = dict(PAIRS=False, SPLIT=split, K_TOP=1, BLOCK_TOP=1, SHARED=0, SPLIT_S=0, SPLIT_G=0)
+        _add_rms_norm_kernel[(rows,)](
+            h, ids, s, g, residual, weight.contiguous(), out, res_out,
+            s_h, s_chunk_h, *strides, residual.stride(0), e, d, eps,
+            **src, TY=tl_dtype(residual.dtype), BLOCK=block, num_warps=_num_warps(block), **pdl(residual),
+        )
+    return out.reshape(shape), res_out.reshape(shape)
 
 
 def gated_rms_norm_triton(
@@ -125,4 +183,4 @@ def gated_rms_norm_triton(
 ) -> torch.Tensor:
     """`gated_rms_norm` in Triton. x, gate: [R, Hv, Dv] (or [R, D]); weight: [Dv] float32. `rows` is accepted
     for a drop-in swap and ignored: the kernel is row-invariant by construction."""
-    return _launch_rms_norm(x, weight, eps, gate=gate)[0]
+    return _launch_rms_norm(x, weight, eps, gate=gate)

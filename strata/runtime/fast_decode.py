@@ -1,7 +1,8 @@
 """The decode window on Triton kernels, replayed from CUDA graphs.
 
 A decode window (one row per sequence, every sequence in one `StatePool`) runs as a fixed sequence of
-kernel launches whose shapes depend only on the number of rows: row-invariant Triton kernels for every
+kernel launches whose shapes depend only on the number of rows (a sum of split-K chunks or of a row's expert
+outputs is left to the kernel that reads it, `strata/kernels/deferred.py`): row-invariant Triton kernels for every
 per-row op (projections, norms, rotary, router, experts, head), and per-row kernels that index the pool by
 each row's sequence id for attention and the Gated DeltaNet step. No launch waits for the host, so on a GPU
 the whole window is captured once per row count as a CUDA graph and replayed with its inputs copied into
@@ -18,7 +19,8 @@ from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_triton
 from strata.kernels.elementwise import gdn_gates_triton, silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
-from strata.kernels.linear import linear_triton
+from strata.kernels.deferred import finish
+from strata.kernels.linear import linear_split, linear_triton
 from strata.kernels.moe import moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
@@ -54,12 +56,13 @@ class TritonDecode:
             h, x = self._add_norm(h, x, w["mlp_norm"])
             pending = self._mlp(i, w, h)
         if self.weights.final_norm is None:
-            return x if pending is None else x + pending
+            return x if pending is None else x + finish(pending)
         h, _ = self._add_norm(pending, x, self.weights.final_norm)
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
 
     def _add_norm(self, h, x, weight):
-        """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give."""
+        """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give. h may be
+        left unfinished by the block before (a `SplitSum` or `PairSum`): the norm adds it up."""
         if h is None:
             return rms_norm_triton(x, weight, self.spec.rms_eps), x
         return add_rms_norm_triton(h, x, weight, self.spec.rms_eps)
@@ -67,14 +70,16 @@ class TritonDecode:
     def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
         a = self.spec.attention
         r = x.shape[0]
-        q, k, v, gate = split_qkv(a, linear_triton(x, w["qkv"], w.get("qkv_bias")))
+        # without an output gate every part of qkv is read by qk_prep, which adds its split-K chunks as it loads
+        project = linear_triton if a.output_gate else linear_split
+        q, k, v, gate = split_qkv(a, project(x, w["qkv"], w.get("qkv_bias")))
         # q/k norms, rotary, and each row's k and v into its own cell: one launch
         q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
                            a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
         out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale).reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return linear_triton(out, w["o"])
+        return linear_split(out, w["o"])  # its chunks are added by the next norm
 
     def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
         g = self.spec.gdn
@@ -85,17 +90,18 @@ class TritonDecode:
         out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
                                 g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
         out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
-        return linear_triton(out.reshape(r, -1), w["out"])
+        return linear_split(out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:
         if self.spec.layers[i].mlp == "dense":
-            return linear_triton(silu_mul_triton(linear_triton(x, w["gate_up"])), w["down"])
+            return linear_split(silu_mul_triton(linear_split(x, w["gate_up"])), w["down"])
         m = self.spec.moe
         if i in self.pools:
             return pooled_moe(x, w, m, self.pools[i], kernels="decode")
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
+        # the experts' pairs (and the shared expert) are added up by the next norm
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
-                          w.get("shared_gate"), linear=linear_triton)
+                          w.get("shared_gate"), linear=linear_split, defer=True)
 
 
 class GraphedDecode:

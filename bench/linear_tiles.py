@@ -1,0 +1,123 @@
+"""How decode windows' projections split their K dimension, against the bytes they must read.
+
+A decode projection at 1 to 64 rows is bound by reading its weight. `linear_triton` splits K into a number of
+chunks fixed by the weight's shape (a row's sums must not depend on the row count); this times every projection
+of a real shape under several split rules and tile widths, each call replayed 20 times in one CUDA graph with
+programmatic dependent launch (as a decode window runs), and prints each one's achieved bandwidth against the
+measured copy bandwidth.
+
+    python bench/linear_tiles.py --shape qwen3-30b-a3b --rows 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_timing import gpu_seconds  # noqa: E402
+from shapes import shape  # noqa: E402
+
+import strata.kernels.linear as lin  # noqa: E402
+
+
+def projections(name: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of each decode projection of the shape."""
+    spec = shape(name)
+    a, h = spec.attention, spec.hidden_size
+    q = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+    out = {"attention qkv": (q + 2 * a.num_kv_heads * a.head_dim, h), "attention o": (h, a.num_heads * a.head_dim),
+           "router": (spec.moe.num_experts, h)}
+    if spec.gdn is not None:
+        g = spec.gdn
+        conv = 2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim
+        out["gdn in_proj"] = (conv + g.num_v_heads * g.v_head_dim + 2 * g.num_v_heads, h)
+        out["gdn out"] = (h, g.num_v_heads * g.v_head_dim)
+    if spec.moe.shared_dim:
+        out["shared gate_up"] = (2 * spec.moe.shared_dim, h)
+        out["shared down"] = (h, spec.moe.shared_dim)
+    out["lm_head"] = (spec.vocab_size, h)
+    return out
+
+
+def rule_waves(sms: int, floor: float = 0.9):
+    """The fewest chunks whose programs fill the SMs' waves to `floor` (else the best filling)."""
+
+    def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
+        tiles = triton.cdiv(n, block_n)
+        best, best_fill, split = 1, 0.0, 1
+        while k % (split * block_k) == 0 and k // split >= max(lin.MIN_CHUNK, block_k) and split <= 64:
+            progs = tiles * split
+            fill = progs / (triton.cdiv(progs, sms) * sms)
+            if fill >= floor:
+                return split
+            if fill > best_fill + 1e-9:
+                best, best_fill = split, fill
+            split *= 2
+        return best
+
+    return split_k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--rows", default="1,8,64")
+    args = p.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = src.numel() * 2 / gpu_seconds(lambda: dst.copy_(src), reps=10)
+    del src, dst
+    print(f"{args.shape} projections, bf16, {torch.cuda.get_device_name()} ({sms} SMs); copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s")
+    shipped_rule, shipped_cfg = lin.split_k, dict(lin.CONFIGS)
+    variants = {
+        "shipped (256 programs)": (shipped_rule, shipped_cfg[dt]),
+        "waves 0.9": (rule_waves(sms, 0.9), shipped_cfg[dt]),
+        "waves 0.95": (rule_waves(sms, 0.95), shipped_cfg[dt]),
+        "waves 0.9, n32": (rule_waves(sms, 0.9), (32, 128, 4)),
+        "waves 0.9, k256 s3": (rule_waves(sms, 0.9), (64, 256, 3)),
+        "512 programs": (lambda n, k, bn, bk: _target(n, k, bn, bk, 512), shipped_cfg[dt]),
+    }
+    print(f"{'projection':>15} {'N x K':>13} {'rows':>4} {'variant':>24} {'split':>5} {'us':>7} {'TB/s':>6} "
+          f"{'of copy':>7}")
+    try:
+        for label, (n, k) in projections(args.shape).items():
+            w = torch.randn(n, k, device=dev, dtype=dt) / k**0.5
+            for rows in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(rows, k, device=dev, dtype=dt)
+                ref = None
+                for name, (rule, cfg) in variants.items():
+                    lin.split_k, lin.CONFIGS[dt] = rule, cfg
+                    out = lin.linear_triton(x, w)
+                    ref = out if ref is None else ref
+                    err = (out.float() - ref.float()).abs().max().item()
+                    sec = gpu_seconds(lambda: [lin.linear_triton(x, w) for _ in range(20)], reps=10, graph=True) / 20
+                    tb = n * k * 2 / sec / 1e12
+                    split = rule(n, k, cfg[0], cfg[1])
+                    print(f"{label:>15} {f'{n} x {k}':>13} {rows:4d} {name:>24} {split:5d} {sec * 1e6:7.2f} {tb:6.2f} "
+                          f"{tb * 1e12 / bw:7.0%}" + (f"  max diff {err:.2e}" if err > 0.05 else ""))
+    finally:
+        lin.split_k, lin.CONFIGS[dt] = shipped_rule, shipped_cfg[dt]
+
+
+def _target(n: int, k: int, block_n: int, block_k: int, target: int) -> int:
+    saved = lin.TARGET_PROGRAMS
+    lin.TARGET_PROGRAMS = target
+    try:
+        return _SHIPPED(n, k, block_n, block_k)
+    finally:
+        lin.TARGET_PROGRAMS = saved
+
+
+_SHIPPED = lin.split_k
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Deferred sums (strata/kernels/deferred.py): every kernel that adds up a split-K projection's chunks or a row's
+expert outputs as it loads them gives bitwise what it gives on the finished tensor, under the Triton interpreter
+on odd sizes."""
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / strata.kernels are imported
+
+import torch
+
+from strata.kernels.deferred import PairSum, SplitSum, finish
+from strata.kernels.elementwise import sigmoid_gate_add_triton, silu_mul_triton
+from strata.kernels.linear import linear_split, linear_triton
+from strata.kernels.moe import combine_triton, fused_experts_triton, moe, moe_triton, route_triton
+from strata.kernels.qk_prep import qk_prep_triton
+from strata.kernels.rmsnorm import add_rms_norm_triton
+from strata.runtime.forward import split_qkv
+from strata.model.spec import AttentionSpec
+
+DTYPES = [torch.float32, torch.float16]
+EPS = 1e-6
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _split(m, n, k, dtype, seed=0):
+    """A projection of [m, k] rows by an [n, k] weight wide enough in K to be split."""
+    g = _gen(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_split_finishes_to_linear_triton(dtype):
+    x, w = _split(3, 40, 1024, dtype)
+    value = linear_split(x, w)
+    assert isinstance(value, SplitSum) and value.splits > 1 and value.shape == (3, 40)
+    assert torch.equal(finish(value), linear_triton(x, w))
+    torch.testing.assert_close(finish(value).float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
+    # a bias is added by the sum kernel: the result comes back finished
+    b = torch.randn(40, generator=_gen(3)).to(dtype)
+    assert torch.equal(linear_split(x, w, b), linear_triton(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_adds_split_chunks_as_the_sum_kernel(dtype):
+    x, w = _split(5, 72, 1024, dtype)
+    value = linear_split(x, w)
+    assert isinstance(value, SplitSum)
+    residual = torch.randn(5, 72, generator=_gen(1)).to(dtype)
+    weight = 1 + 0.3 * torch.randn(72, generator=_gen(2))
+    got = add_rms_norm_triton(value, residual, weight, EPS)
+    want = add_rms_norm_triton(finish(value), residual, weight, EPS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _pairs(dtype, shared: str, rows=4, hidden=48, experts=7, top_k=3, inter=24):
+    g = _gen(5)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    weights, ids = route_triton(torch.randn(rows, experts, generator=g), top_k, True)
+    ids[1, 0] = experts + 2  # an expert not held here: adds nothing
+    pairs = fused_experts_triton(x, weights, ids, gate_up, down, defer=True)
+    assert isinstance(pairs, PairSum)
+    if shared != "none":
+        s_gu = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+        s_down = (torch.randn(hidden, 8 * 128, generator=g) / 32).to(dtype)
+        h = torch.randn(rows, 8 * 128, generator=g).to(dtype)  # wide enough in K for the down product to split
+        s = linear_split(h, s_down)
+        assert isinstance(s, SplitSum)
+        g_w = (torch.randn(1, 1024, generator=g) / 32).to(dtype)
+        gl = linear_split(torch.randn(rows, 1024, generator=g).to(dtype), g_w) if shared == "gated" else None
+        pairs = PairSum(pairs.y, pairs.ids, pairs.num_experts, dtype, shared=s, shared_gate=gl)
+        del s_gu
+    return x, pairs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shared", ["none", "plain", "gated"])
+def test_norm_adds_expert_pairs_as_the_combine(dtype, shared):
+    x, pairs = _pairs(dtype, shared)
+    combined = combine_triton(pairs)
+    if shared == "gated":  # the stand-alone kernels: combine, then out + sigmoid(gate) * shared
+        plain = PairSum(pairs.y, pairs.ids, pairs.num_experts, dtype)
+        assert torch.equal(combined, sigmoid_gate_add_triton(combine_triton(plain), finish(pairs.shared),
+                                                             finish(pairs.shared_gate)))
+    elif shared == "plain":
+        plain = PairSum(pairs.y, pairs.ids, pairs.num_experts, dtype)
+        assert torch.equal(combined, combine_triton(plain) + finish(pairs.shared))
+    residual = torch.randn(x.shape, generator=_gen(7)).to(dtype)
+    weight = 1 + 0.3 * torch.randn(x.shape[1], generator=_gen(8))
+    got = add_rms_norm_triton(pairs, residual, weight, EPS)
+    want = add_rms_norm_triton(combined, residual, weight, EPS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_deferred_matches_finished_and_reference(dtype):
+    g = _gen(11)
+    rows, hidden, experts, inter = 3, 256, 6, 32
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    router = (torch.randn(experts, hidden, generator=g) / 16).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / 16).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / 6).to(dtype)
+    shared = ((torch.randn(2 * inter, hidden, generator=g) / 16).to(dtype),
+              (torch.randn(hidden, inter, generator=g) / 6).to(dtype))
+    shared_gate = (torch.randn(1, hidden, generator=g) / 16).to(dtype)
+    args = (x, router, gate_up, down, 2, True, shared, shared_gate)
+    deferred = moe_triton(*args, linear=linear_split, defer=True)
+    assert isinstance(deferred, PairSum)
+    finished = moe_triton(*args, linear=linear_triton)
+    assert torch.equal(finish(deferred), finished)
+    torch.testing.assert_close(finished.float(), moe(*args).float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_route_adds_split_router_logits(dtype):
+    x, w = _split(4, 20, 1024, dtype, seed=4)
+    logits = linear_split(x, w)
+    assert isinstance(logits, SplitSum)
+    got, want = route_triton(logits, 3, True), route_triton(finish(logits), 3, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_adds_split_gate_up(dtype):
+    x, w = _split(3, 2 * 40, 1024, dtype, seed=6)
+    gate_up = linear_split(x, w)
+    assert isinstance(gate_up, SplitSum)
+    assert torch.equal(silu_mul_triton(gate_up), silu_mul_triton(finish(gate_up)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_prep_adds_split_qkv(dtype):
+    a = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, rope_theta=1e4, qk_norm=True,
+                      output_gate=False)
+    rows, hidden = 3, 1024
+    x, w = _split(rows, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, hidden, dtype, seed=9)
+    qkv = linear_split(x, w)
+    assert isinstance(qkv, SplitSum)
+    g = _gen(10)
+    qn, kn = 1 + 0.2 * torch.randn(16, generator=g), 1 + 0.2 * torch.randn(16, generator=g)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
+    positions, seq_ids = torch.tensor([0, 5, 9]), torch.tensor([2, 0, 1])
+    outs = []
+    for value in (qkv, finish(qkv)):
+        k_pool = torch.zeros(3, 12, a.num_kv_heads, a.head_dim, dtype=dtype)
+        v_pool = torch.zeros_like(k_pool)
+        q, k, v, gate = split_qkv(a, value)
+        assert gate is None
+        outs.append((qk_prep_triton(q, k, v, qn, kn, EPS, positions, inv_freq, 8, k_pool, v_pool, seq_ids),
+                     k_pool, v_pool))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
