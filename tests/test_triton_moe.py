@@ -84,7 +84,7 @@ def test_fused_experts_match_reference(rows, top_k, dtype):
 
 
 @pytest.mark.parametrize("rows, top_k, experts, bm", [(1, 8, 128, 16), (7, 3, 8, 16), (33, 2, 8, 16), (64, 10, 512, 16),
-                                                      (70, 3, 8, 64), (5, 4, 16, 128)], ids=str)
+                                                      (70, 3, 8, 64), (5, 4, 16, 128), (400, 10, 512, 16)], ids=str)
 def test_expert_tiles_kernel_lays_pairs_out_like_the_sort(rows, top_k, experts, bm, monkeypatch):
     """Decode windows lay the pairs out with one kernel, prompt windows with a device sort: the same layout,
     so a row's bits do not depend on which one ran. Ids >= E (experts held elsewhere) are left out by both."""

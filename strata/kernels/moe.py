@@ -250,41 +250,46 @@ def combine_triton(value: PairSum, block_n: int = BLOCK_N) -> torch.Tensor:
 
 
 @triton.jit
-def _expert_tiles_kernel(p_ids, p_pair, p_expert, P, E, NUM_SLOTS, MAX_BLOCKS,
-                         BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, P, E, NUM_SLOTS, MAX_BLOCKS,
+                         BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
                          PDL: tl.constexpr):
     """One program: group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
     order within an expert (what a stable sort by expert gives). p_pair[slot] = the pair in that slot (P in
-    padding slots); p_expert[tile] = its expert (E past the last used tile). Ids >= E are left out."""
+    padding slots); p_expert[tile] = its expert (E past the last used tile). Ids >= E are left out.
+
+    The pairs are sorted by (expert, pair) in registers; each sorted pair's slot is its position plus the
+    padding of the experts' tiles before it. The work grows with P, not with the number of experts."""
     wait_for_prior(PDL)
-    o_e = tl.arange(0, BLOCK_E)
     o_q = tl.arange(0, BLOCK_P)
-    b_count = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        b_ids = tl.minimum(tl.load(p_ids + p0 + o_q, mask=p0 + o_q < P, other=E), E)
-        b_count += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), axis=0)
-    m_e = o_e < E
-    b_count = tl.where(m_e, b_count, 0)
-    b_tiles = (b_count + BM - 1) // BM
-    b_ends = tl.cumsum(b_tiles, axis=0)  # [BE] tiles up to and including each expert
-    b_first = (b_ends - b_tiles) * BM  # [BE] each expert's first slot
-    for t0 in range(0, MAX_BLOCKS, BLOCK_P):
-        o_t = t0 + o_q
-        b_e = tl.sum(((b_ends[None, :] <= o_t[:, None]) & m_e[None, :]).to(tl.int32), axis=1)
-        tl.store(p_expert + o_t, b_e, mask=o_t < MAX_BLOCKS)
+    m_q = o_q < P
+    b_ids = tl.minimum(tl.load(p_ids + o_q, mask=m_q, other=E), E)  # ids >= E: not held here, sorted after
+    b_ids = tl.where(m_q, b_ids, E + 1)  # padding lanes last
+    b_key = tl.sort((b_ids << PAIR_BITS) | o_q, 0)  # unique keys: the order of a stable sort by expert
+    b_e = b_key >> PAIR_BITS
+    b_pair = b_key & ((1 << PAIR_BITS) - 1)
+    tl.store(p_scratch + 1 + o_q, b_e)  # to read each sorted pair's neighbours' experts
     for s0 in range(0, NUM_SLOTS, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         tl.store(p_pair + o_s, tl.zeros([BLOCK_S], dtype=tl.int32) + P, mask=o_s < NUM_SLOTS)
-    tl.debug_barrier()  # the padding is written before the pairs overwrite their slots
-    b_seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert placed so far
-    for p0 in range(0, P, BLOCK_P):
-        o_p = p0 + o_q
-        b_ids = tl.minimum(tl.load(p_ids + o_p, mask=o_p < P, other=E), E)
-        b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [BP, BE]
-        b_base = tl.sum(b_hot * (b_first + b_seen)[None, :], axis=1)  # [BP]
-        b_before = tl.sum(((b_ids[:, None] == b_ids[None, :]) & (o_q[None, :] < o_q[:, None])).to(tl.int32), axis=1)
-        tl.store(p_pair + b_base + b_before, o_p, mask=(o_p < P) & (b_ids < E))
-        b_seen += tl.sum(b_hot, axis=0)
+    for t0 in range(0, MAX_BLOCKS, BLOCK_S):
+        o_t = t0 + tl.arange(0, BLOCK_S)
+        tl.store(p_expert + o_t, tl.zeros([BLOCK_S], dtype=tl.int32) + E, mask=o_t < MAX_BLOCKS)
+    tl.debug_barrier()  # the neighbours and the padding are written before they are read or overwritten
+    b_prev = tl.load(p_scratch + o_q, mask=o_q > 0, other=-1)
+    b_next = tl.load(p_scratch + 2 + o_q, mask=o_q < BLOCK_P - 1, other=-1)
+    b_first = tl.associative_scan(tl.where(b_prev != b_e, o_q, 0), 0, _max)  # where this pair's expert begins
+    b_rank = o_q - b_first  # the pair's place among its expert's pairs
+    m_held = b_e < E
+    b_count = b_rank + 1
+    b_pad = tl.where(m_held & (b_next != b_e), (b_count + BM - 1) // BM * BM - b_count, 0)  # at each expert's end
+    b_slot = o_q + tl.cumsum(b_pad, 0) - b_pad  # plus the padding of the experts before
+    tl.store(p_pair + b_slot, b_pair, mask=m_held)
+    tl.store(p_expert + b_slot // BM, b_e, mask=m_held & (b_rank % BM == 0))
 
 
 SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one kernel, not a sort
@@ -300,11 +305,12 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
     if P <= SMALL_P:
         pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
         expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-        block_e = triton.next_power_of_2(E + 1)
-        _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, P, E,
-                                   max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_E=block_e,
-                                   BLOCK_P=max(16, min(64, 32768 // block_e)), BLOCK_S=1024,
-                                   num_warps=16 if block_e >= 512 else 8, **pdl(ids))
+        block_p = max(16, triton.next_power_of_2(P))
+        scratch = torch.empty(block_p + 2, dtype=torch.int32, device=dev)
+        _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, scratch, P, E,
+                                   max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_P=block_p,
+                                   PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024,
+                                   num_warps=8 if block_p >= 1024 else 4, **pdl(ids))
         return pair_of_slot, expert_of_block
     flat = ids.reshape(-1).long()  # [P]
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
