@@ -115,6 +115,12 @@ def _num_warps(block: int) -> int:
     return min(16, max(1, block // 512))  # a row's sum order depends on it: one rule for every norm kernel
 
 
+def add_norm_warps(block: int) -> int:
+    """Warps of the residual norm: it may add a row's split-K chunks or expert pairs (tens of kilobytes) before it
+    normalises, so it takes more warps than the plain norm to keep those loads in flight."""
+    return min(16, max(4, block // 256))
+
+
 def _launch_rms_norm(x, weight, eps, gate=None):
     d = x.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
@@ -173,7 +179,7 @@ def add_rms_norm_triton(
         _add_rms_norm_kernel[(rows,)](
             h, ids, s, g, residual, weight.contiguous(), out, res_out,
             s_h, s_chunk_h, *strides, residual.stride(0), e, d, eps,
-            **src, TY=tl_dtype(residual.dtype), BLOCK=block, num_warps=_num_warps(block), **pdl(residual),
+            **src, TY=tl_dtype(residual.dtype), BLOCK=block, num_warps=add_norm_warps(block), **pdl(residual),
         )
     return out.reshape(shape), res_out.reshape(shape)
 
