@@ -13,10 +13,17 @@ from tests.tiny_models import VOCAB, build
 NEW = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe-mixed-dense", "llama-gqa-tied"])
+# "qwen3_next-shared-as-expert": a shared expert of the routed experts' size, which decode windows run as one more
+# pair of each row inside the experts' kernels (moe_triton's shared_pair)
+VARIANTS = {"qwen3_next-shared-as-expert": ("qwen3_next", dict(shared_expert_intermediate_size=32))}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_next-shared-as-expert", "qwen3_moe-mixed-dense",
+                                        "llama-gqa-tied"])
 def engines(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    build(request.param, folder)
+    case, overrides = VARIANTS.get(request.param, (request.param, {}))
+    build(case, folder, **overrides)
     files = ModelFiles.open(folder)
     return (Engine(files, max_cells=128, kernels="torch"), Engine(files, max_cells=128, kernels="triton"))
 

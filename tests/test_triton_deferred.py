@@ -161,3 +161,45 @@ def test_qk_prep_adds_split_qkv(dtype):
                      k_pool, v_pool))
     for got, want in zip(*outs):
         assert torch.equal(got, want)
+
+
+def _moe_args(dtype, rows, gated: bool, seed=13, hidden=64, experts=6, inter=32):
+    g = _gen(seed)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    router = (torch.randn(experts, hidden, generator=g) / 8).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / 8).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / 6).to(dtype)
+    shared = ((torch.randn(2 * inter, hidden, generator=g) / 8).to(dtype),
+              (torch.randn(hidden, inter, generator=g) / 6).to(dtype))
+    shared_gate = (torch.randn(1, hidden, generator=g) / 8).to(dtype) if gated else None
+    return x, router, gate_up, down, 2, True, shared, shared_gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_shared_expert_as_one_more_pair(dtype, gated):
+    """The shared expert run as expert E inside the experts' kernels: the MoE block within tolerance of the torch
+    reference, its rows bitwise the same alone or among others, the deferred pairs finished by the norm bitwise."""
+    args = _moe_args(dtype, 5, gated)
+    pairs = moe_triton(*args, linear=linear_split, defer=True, shared_pair=True)
+    assert isinstance(pairs, PairSum) and pairs.ids.shape == (5, 3) and pairs.shared is None
+    assert torch.equal(pairs.ids[:, 2], torch.full((5,), 6, dtype=pairs.ids.dtype))  # pair k: expert E, the shared
+    out = finish(pairs)
+    torch.testing.assert_close(out.float(), moe(*args).float(), rtol=3e-2, atol=3e-2)
+    x = args[0]
+    for i in (0, 3):
+        alone = finish(moe_triton(x[i : i + 1], *args[1:], linear=linear_split, defer=True, shared_pair=True))
+        assert torch.equal(alone, out[i : i + 1])
+    residual = torch.randn(x.shape, generator=_gen(14)).to(dtype)
+    weight = 1 + 0.3 * torch.randn(x.shape[1], generator=_gen(15))
+    got, want = add_rms_norm_triton(pairs, residual, weight, EPS), add_rms_norm_triton(out, residual, weight, EPS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_shared_pair_needs_the_routed_experts_shape():
+    """A shared expert of another size keeps its own products (and the same result as without shared_pair)."""
+    x, router, gate_up, down, k, norm, shared, gate = _moe_args(torch.float32, 3, True)
+    wide = (torch.randn(96, 64, generator=_gen(16)) / 8, torch.randn(64, 48, generator=_gen(17)) / 6)
+    a = moe_triton(x, router, gate_up, down, k, norm, wide, gate, linear=linear_triton, shared_pair=True)
+    b = moe_triton(x, router, gate_up, down, k, norm, wide, gate, linear=linear_triton)
+    assert torch.equal(a, b)

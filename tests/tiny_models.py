@@ -48,11 +48,13 @@ def _qwen3_5_config():
     return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
 
 
-def build(name: str, folder: Path, seed: int = 0):
-    """Write checkpoint `name` into `folder` and return the transformers model (the reference)."""
+def build(name: str, folder: Path, seed: int = 0, **overrides):
+    """Write checkpoint `name` into `folder` and return the transformers model (the reference). `overrides`: config
+    values that differ from the case's."""
     import transformers
 
     config_cls, model_cls, kwargs = CASES[name]
+    kwargs = kwargs if kwargs is None else dict(kwargs, **overrides)
     torch.manual_seed(seed)
     config = _qwen3_5_config() if kwargs is None else getattr(transformers, config_cls)(**kwargs)
     model = getattr(transformers, model_cls)(config).eval()

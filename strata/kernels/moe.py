@@ -115,9 +115,12 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 
 
 @triton.jit
-def _route_kernel(p_logits, p_weights, p_ids, E, s_r, s_chunk, SPLIT: tl.constexpr, TY: tl.constexpr,
-                  K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
-                  PDL: tl.constexpr):
+def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
+                  TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """One row: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
+    more pair, the shared expert as expert E, weighted 1 (SHARED 1) or sigmoid(x . gate) (2, the logit rounded
+    to the model's dtype as a projection's output is)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
@@ -139,9 +142,20 @@ def _route_kernel(p_logits, p_weights, p_ids, E, s_r, s_chunk, SPLIT: tl.constex
         b_p = tl.where(o_e == i_e, -1.0, b_p)
     if NORM_TOPK:
         b_w = b_w / tl.sum(b_w, axis=0)
-    m_j = o_j < K_TOP
-    tl.store(p_weights + i_r * K_TOP + o_j, b_w, mask=m_j)
-    tl.store(p_ids + i_r * K_TOP + o_j, b_i, mask=m_j)
+    n_pairs = K_TOP + (SHARED > 0)
+    if SHARED > 0:
+        b_shared = 1.0
+        if SHARED == 2:
+            o_h = tl.arange(0, BLOCK_H)
+            m_h = o_h < H
+            b_x = tl.load(p_x + i_r.to(tl.int64) * s_xr + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_g = tl.load(p_gate + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_shared = tl.sigmoid(tl.sum(b_x * b_g, axis=0).to(TY).to(tl.float32))
+        b_w = tl.where(o_j == K_TOP, b_shared, b_w)
+        b_i = tl.where(o_j == K_TOP, E, b_i)
+    m_j = o_j < n_pairs
+    tl.store(p_weights + i_r * n_pairs + o_j, b_w, mask=m_j)
+    tl.store(p_ids + i_r * n_pairs + o_j, b_i, mask=m_j)
 
 
 def route_warps(num_experts: int) -> int:
@@ -151,38 +165,55 @@ def route_warps(num_experts: int) -> int:
     return 1 if num_experts <= 256 else 2
 
 
-def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, shared: str | None = None,
+                 x: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [R, E] router logits (any float dtype, or a `SplitSum` the kernel adds up first) -> (weights [R, k]
-    float32, expert ids [R, k] int32). Softmax in float32 and top-k like `route`, one program per row."""
+    float32, expert ids [R, k] int32). Softmax in float32 and top-k like `route`, one program per row.
+
+    `shared`: also route every row to the shared expert, as pair k with id E (k + 1 pairs a row): "plain" weighs
+    it 1, "gated" sigmoid(x . shared_gate) (x [R, H], shared_gate [1, H], the rows' MoE input and gate)."""
     R, E = logits.shape
     if isinstance(logits, torch.Tensor):
         logits = logits.contiguous()
     p, s_chunk, split = source(logits)
-    weights = torch.empty(R, top_k, dtype=torch.float32, device=logits.device)  # [R, k]
-    ids = torch.empty(R, top_k, dtype=torch.int32, device=logits.device)  # [R, k]
+    mode = {None: 0, "plain": 1, "gated": 2}[shared]
+    pairs = top_k + (mode > 0)
+    if mode == 2:
+        assert x is not None and shared_gate is not None and x.stride(-1) == 1, "the gated shared pair needs x, gate"
+    xs = x if mode == 2 else p
+    gate = shared_gate.reshape(-1).contiguous() if mode == 2 else p
+    h = x.shape[1] if mode == 2 else 1
+    weights = torch.empty(R, pairs, dtype=torch.float32, device=logits.device)  # [R, pairs]
+    ids = torch.empty(R, pairs, dtype=torch.int32, device=logits.device)  # [R, pairs]
     if R:
-        _route_kernel[(R,)](p, weights, ids, E, logits.stride(0), s_chunk, SPLIT=split, TY=tl_dtype(logits.dtype),
-                            K_TOP=top_k, NORM_TOPK=norm_topk, BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_TOP=triton.next_power_of_2(top_k), num_warps=route_warps(E), **pdl(p))
+        _route_kernel[(R,)](p, weights, ids, xs, gate, E, h, logits.stride(0), s_chunk, xs.stride(0), SPLIT=split,
+                            TY=tl_dtype(logits.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED=mode,
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
+                            BLOCK_H=triton.next_power_of_2(h), num_warps=route_warps(E), **pdl(p))
     return weights, ids
 
 
 @triton.jit
-def _gate_up_kernel(p_x, p_w, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                    K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                    SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile of one expert's pairs."""
     wait_for_prior(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e = tl.load(p_expert + i_b)
-    if i_e >= E:  # past the last used block
+    if i_e >= E + SHARED:  # past the last used block (expert E: the shared one, when SHARED)
         return
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    p_gate = p_w + i_e.to(tl.int64) * s_we + o_n[None, :] * s_wn  # [1, BN]
+    p_base = p_w + i_e.to(tl.int64) * s_we
+    if SHARED:
+        if i_e == E:
+            p_base = p_sw
+    p_gate = p_base + o_n[None, :] * s_wn  # [1, BN]
     p_up = p_gate + I * s_wn
     b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -202,19 +233,23 @@ def _gate_up_kernel(p_x, p_w, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_w
 
 
 @triton.jit
-def _down_kernel(p_h, p_w, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_wn, s_wk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_wn, s_wk,
+                 SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile of one expert's pairs."""
     wait_for_prior(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e = tl.load(p_expert + i_b)
-    if i_e >= E:
+    if i_e >= E + SHARED:
         return
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    p_down = p_w + i_e.to(tl.int64) * s_we + o_n[None, :] * s_wn  # [1, BN]
+    p_base = p_w + i_e.to(tl.int64) * s_we
+    if SHARED:
+        if i_e == E:
+            p_base = p_sw
+    p_down = p_base + o_n[None, :] * s_wn  # [1, BN]
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
@@ -337,40 +372,48 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False
-                         ) -> torch.Tensor | PairSum:
+                         down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False,
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | PairSum:
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
     A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES.
     A pair whose id is >= E (an expert not held on this device: the CPU expert pool computes it) is never
     computed and adds nothing; the rows' other pairs keep their bits. `defer`: return the pairs' outputs as a
-    `PairSum` for the next kernel to add (no combine launch)."""
+    `PairSum` for the next kernel to add (no combine launch). `shared`: the shared expert's (gate_up [2I, H],
+    down [H, I]), computed as expert E for the pairs whose id is E (`route_triton(..., shared=...)`)."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
     P = R * k
-    if P == 0 or E == 0:  # no rows, or no expert held here: every pair adds nothing
-        pairs = PairSum(torch.empty(P, H, dtype=torch.float32, device=x.device), ids, E, x.dtype)
+    held = E + (shared is not None)  # ids below this are computed here
+    if P == 0 or held == 0:  # no rows, or no expert held here: every pair adds nothing
+        pairs = PairSum(torch.empty(P, H, dtype=torch.float32, device=x.device), ids, held, x.dtype)
         return pairs if defer else combine_triton(pairs, tiles.combine_n)
+    if shared is not None:
+        assert shared[0].shape == gate_up.shape[1:] and shared[0].stride() == gate_up.stride()[1:], \
+            "the shared expert's gate_up must have the routed experts' shape and strides"
+        assert shared[1].shape == down.shape[1:] and shared[1].stride() == down.stride()[1:], \
+            "the shared expert's down must have the routed experts' shape and strides"
+    s_gate_up, s_down = shared if shared is not None else (gate_up, down)
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     bm = tiles.block_m
-    pair_of_slot, expert_of_block = expert_tiles(ids, E, bm)
+    pair_of_slot, expert_of_block = expert_tiles(ids, held, bm)
     max_blocks = expert_of_block.shape[0]
 
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-             num_stages=tiles.num_stages)
+             num_stages=tiles.num_stages, SHARED=shared is not None)
     h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
     _gate_up_kernel[(max_blocks, triton.cdiv(I, tiles.block_n))](
-        x, gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(), K_TOP=k, **t,
-        **pdl(x))
+        x, gate_up, s_gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(),
+        K_TOP=k, **t, **pdl(x))
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k)
     _down_kernel[(max_blocks, triton.cdiv(H, t_down["BLOCK_N"]))](
-        h, down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I, *down.stride(),
-        **t_down, **pdl(x))
-    pairs = PairSum(y, ids, E, x.dtype)
+        h, down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I,
+        *down.stride(), **t_down, **pdl(x))
+    pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
@@ -386,10 +429,22 @@ def moe_triton(
     linear: Linear = F.linear,
     tiles: ExpertTiles = DECODE_TILES,
     defer: bool = False,
+    shared_pair: bool = False,
 ) -> torch.Tensor | PairSum:
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products (it
-    may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish."""
-    weights, ids = route_triton(linear(x, router), top_k, norm_topk)
+    may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish.
+    `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
+    experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
+    roundings than the separate products (the same for a row whatever shares its window)."""
+    logits = linear(x, router)
+    if shared is not None and shared_pair and shared[0].shape == gate_up.shape[1:] \
+            and shared[1].shape == down.shape[1:] and shared[0].stride() == gate_up.stride()[1:] \
+            and shared[1].stride() == down.stride()[1:]:
+        weights, ids = route_triton(logits, top_k, norm_topk, "gated" if shared_gate is not None else "plain", x,
+                                    shared_gate)
+        pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True, shared=shared)
+        return pairs if defer else combine_triton(pairs, tiles.combine_n)
+    weights, ids = route_triton(logits, top_k, norm_topk)
     pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True)
     if shared is not None:
         s = linear(silu_mul_triton(linear(x, shared[0])), shared[1])

@@ -101,7 +101,7 @@ class TritonDecode:
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
         # the experts' pairs (and the shared expert) are added up by the next norm
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
-                          w.get("shared_gate"), linear=linear_split, defer=True)
+                          w.get("shared_gate"), linear=linear_split, defer=True, shared_pair=True)
 
 
 class GraphedDecode:
