@@ -10,11 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from strata.kernels.gdn import (  # noqa: E402
-    _unit_lower_inverse,
     causal_conv1d,
     causal_conv1d_triton,
     gated_delta_rule_chunked,
@@ -29,36 +25,6 @@ CONV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=
 
 def _dtype_id(dtype):
     return {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
-
-
-# ---- the chunk's (I + A)^-1 ----
-
-
-@triton.jit
-def _inverse_kernel(p_a, p_out, BT: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr,
-                    LOG2_BLOCKS: tl.constexpr):
-    o_r = tl.arange(0, BT)
-    b_a = tl.load(p_a + o_r[:, None] * BT + o_r[None, :])
-    tl.store(p_out + o_r[:, None] * BT + o_r[None, :], _unit_lower_inverse(b_a, o_r, BT, SUB, LOG2_SUB, LOG2_BLOCKS))
-
-
-@pytest.mark.parametrize("bt", [16, 32, 64, 128])
-def test_unit_lower_inverse_by_products(bt):
-    """The products the prompt kernel inverts a chunk's I + A with, against float64 linear algebra, on an A built
-    as the delta rule builds it (beta_i k_i.k_j exp(gc_i - gc_j) below the diagonal), with large betas and slow
-    decay so the inverse's entries grow."""
-    g = torch.Generator().manual_seed(bt)
-    k = F.normalize(torch.randn(bt, 8, generator=g), dim=-1)
-    beta = 0.5 + 0.5 * torch.rand(bt, generator=g)
-    gc = torch.cumsum(-0.02 * torch.rand(bt, generator=g), 0)
-    a = torch.tril(beta[:, None] * (k @ k.T) * torch.exp(gc[:, None] - gc[None, :]), diagonal=-1).contiguous()
-    out = torch.empty_like(a)
-    sub = min(16, bt)
-    _inverse_kernel[(1,)](a, out, BT=bt, SUB=sub, LOG2_SUB=sub.bit_length() - 1,
-                          LOG2_BLOCKS=(bt // sub).bit_length() - 1)
-    want = torch.linalg.inv(torch.eye(bt, dtype=torch.float64) + a.double())
-    assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-5
-    assert torch.equal(torch.triu(out, diagonal=1), torch.zeros_like(out))  # still lower triangular
 
 
 # ---- causal conv ----

@@ -319,43 +319,16 @@ def causal_conv1d_triton(x: Tensor, weight: Tensor, history: Tensor) -> tuple[Te
 
 
 @triton.jit
-def _unit_lower_inverse(b_a, o_r, BT: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr,
-                        LOG2_BLOCKS: tl.constexpr):
-    """(I + A)^-1 for A [BT, BT] strictly lower triangular, in float32 (IEEE dots), by products instead of BT - 1
-    sequential substitution steps. With B the diagonal SUB x SUB blocks of A (B^SUB = 0) and D = (I + B)^-1 =
-    (I - B)(I + B^2)(I + B^4)...: I + A = (I + B)(I + N) with N = D (A - B), strictly block-lower (N^blocks = 0),
-    so (I + A)^-1 = (I - N)(I + N^2)... D. 2 log2(SUB) + 2 log2(BT / SUB) dots of [BT, BT]."""
-    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)  # [BT, BT]
-    m_block = (o_r[:, None] // SUB) == (o_r[None, :] // SUB)
-    b_b = tl.where(m_block, b_a, 0.0)
-    b_d = b_eye - b_b
-    b_p = b_b
-    for _ in tl.static_range(LOG2_SUB - 1):  # (I - B)(I + B^2)(I + B^4)... up to B^(SUB/2)
-        b_p = tl.dot(b_p, b_p, input_precision="ieee")
-        b_d = tl.dot(b_d, b_eye + b_p, input_precision="ieee")
-    if LOG2_BLOCKS > 0:
-        b_n = tl.dot(b_d, tl.where(m_block, 0.0, b_a), input_precision="ieee")
-        b_m = b_eye - b_n
-        b_p = b_n
-        for _ in tl.static_range(LOG2_BLOCKS - 1):
-            b_p = tl.dot(b_p, b_p, input_precision="ieee")
-            b_m = tl.dot(b_m, b_eye + b_p, input_precision="ieee")
-        b_d = tl.dot(b_m, b_d, input_precision="ieee")
-    return b_d
-
-
-@triton.jit
 def _gdn_chunk_prep_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_w, p_u, p_qd, p_kd, p_aqk, p_gl,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-    SUB: tl.constexpr, LOG2_SUB: tl.constexpr, LOG2_BLOCKS: tl.constexpr,
 ):
     """One program per (chunk, value head), all independent: everything of a chunk that does not need the state.
 
     With gc the within-chunk cumsum of g, gl = gc[-1], and A = strict_lower(beta_i k_i.k_j exp(gc_i - gc_j)),
-    it inverts (I + A) (float32, `_unit_lower_inverse`) and writes, for the sequential pass:
+    it inverts (I + A) by forward substitution (float32) and writes, for the sequential pass:
     w = (I+A)^-1 (beta k exp(gc)), u = (I+A)^-1 (beta v), qd = q exp(gc), kd = k exp(gl - gc),
     aqk = lower(q_i.k_j exp(gc_i - gc_j)) and gl. q, k are L2-normalised here (q also scaled by DK**-0.5).
     """
@@ -398,7 +371,14 @@ def _gdn_chunk_prep_kernel(
              mask=m_k[None, :])
     tl.store(p_gl + i_h * num_chunks + i_n, b_gl)
 
-    b_invc = _unit_lower_inverse(b_a, o_r, BT, SUB, LOG2_SUB, LOG2_BLOCKS).to(p_w.dtype.element_ty)
+    # (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] row j (rows j < i already final).
+    b_inv = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)  # [BT, BT] float32
+    num_valid = tl.minimum(T - i_n * BT, BT)  # rows past T are e_i already (their A rows are 0)
+    for i in range(1, num_valid):
+        m_i = o_r[:, None] == i
+        b_ai = tl.sum(tl.where(m_i, b_a, 0.0), axis=0)  # [BT]: A[i, :]
+        b_inv = tl.where(m_i, b_inv - tl.sum(b_ai[:, None] * b_inv, axis=0)[None, :], b_inv)
+    b_invc = b_inv.to(p_w.dtype.element_ty)
 
     b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
     b_w = tl.dot(b_invc, b_kb.to(p_w.dtype.element_ty), input_precision=PRECISION)  # [BT, BLOCK_DK]
@@ -456,8 +436,8 @@ def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 6
     """`gated_delta_rule_chunked` on Triton: same shapes, dtypes and results (within float tolerance).
 
     Two kernels. `_gdn_chunk_prep_kernel`, one program per (chunk, value head), all in parallel: the L2 norm
-    and scaling of q/k, the within-chunk cumsum of g, the UT transform (I + A)^-1 in float32 (by
-    products of [chunk, chunk] dots, `_unit_lower_inverse`), and the chunk's w, u, decayed q/k and masked q k^T into scratch buffers. `_gdn_chunk_state_kernel`,
+    and scaling of q/k, the within-chunk cumsum of g, the UT transform (I + A)^-1 by forward substitution in
+    float32, and the chunk's w, u, decayed q/k and masked q k^T into scratch buffers. `_gdn_chunk_state_kernel`,
     one program per (value head, 32 Dv columns), walks the chunks in order on a float32 state tile: four tl.dot
     per chunk on [chunk, D] tiles. Dots take operands in the input dtype (float16/bfloat16: tensor cores, float32
     accumulation; float32 inputs: IEEE float32 dots); the state stays float32 between chunks.
@@ -489,15 +469,13 @@ def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 6
     chunk_decay = torch.empty(num_v_heads, num_chunks, device=device, dtype=torch.float32)  # [Hv, N] log
     block_dk = max(16, triton.next_power_of_2(head_k_dim))
     dv_pow2 = max(16, triton.next_power_of_2(head_v_dim))
-    sub = min(16, chunk_size)  # the diagonal blocks `_unit_lower_inverse` inverts first
 
     _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
         q, k, v, g, beta, w, u, q_decayed, k_decayed, attn, chunk_decay,
         num_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BT=chunk_size,
-        BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision,
-        SUB=sub, LOG2_SUB=sub.bit_length() - 1, LOG2_BLOCKS=(chunk_size // sub).bit_length() - 1, num_warps=8,
+        BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision, num_warps=8,
     )  # fmt: skip
     block_dv = min(dv_pow2, STATE_MAX_BLOCK_DV)
     _gdn_chunk_state_kernel[(num_v_heads, triton.cdiv(head_v_dim, block_dv))](
