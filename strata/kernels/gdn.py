@@ -475,7 +475,8 @@ def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 6
         num_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BT=chunk_size,
-        BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision, num_warps=8,
+        BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision,
+        num_warps=2,  # its 63 substitution steps each reduce across the warps: 2 beat 1, 4 and 8 (H200, PERFORMANCE.md)
     )  # fmt: skip
     block_dv = min(dv_pow2, STATE_MAX_BLOCK_DV)
     _gdn_chunk_state_kernel[(num_v_heads, triton.cdiv(head_v_dim, block_dv))](
