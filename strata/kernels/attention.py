@@ -110,18 +110,18 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         cells = start + offs_n  # [BLOCK_N]
-        mask_n = cells <= pos
+        mask_n = cells < hi  # the row's cells of this program's range (a block may pass a chunk's end)
         cells64 = cells.to(tl.int64)
         p_k = p_k0 + cells64[None, :] * s_kl + offs_d[:, None] * s_kd
         b_k = tl.load(p_k, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        p_v = p_v0 + cells64[:, None] * s_vl + offs_d[None, :] * s_vd
+        b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D], with K's load
         b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_s = tl.where(mask_n[None, :], b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         alpha = tl.exp2(m_i - m_new)
         b_p = tl.exp2(b_s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(b_p, 1)
-        p_v = p_v0 + cells64[:, None] * s_vl + offs_d[None, :] * s_vd
-        b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -172,7 +172,7 @@ def _decode_combine_kernel(
 def _decode_blocks(d: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_G, BLOCK_D, BLOCK_N): from the head shape only."""
     block_d = _block_d(d)
-    return max(16, triton.next_power_of_2(group)), block_d, 32 if block_d > 128 else 64
+    return max(16, triton.next_power_of_2(group)), block_d, 32 if block_d > 128 else 128
 
 
 def _check_decode(q, k_pool, v_pool) -> tuple[int, int, int, int]:
