@@ -103,18 +103,21 @@ def test_norm_adds_expert_pairs_as_the_combine(dtype, shared):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _moe_args(dtype, rows, gated: bool, seed=13, hidden=64, experts=6, inter=32):
+    g = _gen(seed)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    router = (torch.randn(experts, hidden, generator=g) / 8).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / 8).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / 6).to(dtype)
+    shared = ((torch.randn(2 * inter, hidden, generator=g) / 8).to(dtype),
+              (torch.randn(hidden, inter, generator=g) / 6).to(dtype))
+    shared_gate = (torch.randn(1, hidden, generator=g) / 8).to(dtype) if gated else None
+    return x, router, gate_up, down, 2, True, shared, shared_gate
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_moe_deferred_matches_finished_and_reference(dtype):
-    g = _gen(11)
-    rows, hidden, experts, inter = 3, 256, 6, 32
-    x = torch.randn(rows, hidden, generator=g).to(dtype)
-    router = (torch.randn(experts, hidden, generator=g) / 16).to(dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / 16).to(dtype)
-    down = (torch.randn(experts, hidden, inter, generator=g) / 6).to(dtype)
-    shared = ((torch.randn(2 * inter, hidden, generator=g) / 16).to(dtype),
-              (torch.randn(hidden, inter, generator=g) / 6).to(dtype))
-    shared_gate = (torch.randn(1, hidden, generator=g) / 16).to(dtype)
-    args = (x, router, gate_up, down, 2, True, shared, shared_gate)
+    args = _moe_args(dtype, 3, gated=True, seed=11, hidden=256)
     deferred = moe_triton(*args, linear=linear_split, defer=True)
     assert isinstance(deferred, PairSum)
     finished = moe_triton(*args, linear=linear_triton)
@@ -161,18 +164,6 @@ def test_qk_prep_adds_split_qkv(dtype):
                      k_pool, v_pool))
     for got, want in zip(*outs):
         assert torch.equal(got, want)
-
-
-def _moe_args(dtype, rows, gated: bool, seed=13, hidden=64, experts=6, inter=32):
-    g = _gen(seed)
-    x = torch.randn(rows, hidden, generator=g).to(dtype)
-    router = (torch.randn(experts, hidden, generator=g) / 8).to(dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / 8).to(dtype)
-    down = (torch.randn(experts, hidden, inter, generator=g) / 6).to(dtype)
-    shared = ((torch.randn(2 * inter, hidden, generator=g) / 8).to(dtype),
-              (torch.randn(hidden, inter, generator=g) / 6).to(dtype))
-    shared_gate = (torch.randn(1, hidden, generator=g) / 8).to(dtype) if gated else None
-    return x, router, gate_up, down, 2, True, shared, shared_gate
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
