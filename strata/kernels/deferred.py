@@ -18,6 +18,7 @@ Readers take a `Rows` value through `source(value)`: a pointer tensor, its chunk
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -170,12 +171,20 @@ def shared_mode(value: PairSum) -> int:
     return 0 if value.shared is None else 1 if value.shared_gate is None else 2
 
 
-def pair_args(value: PairSum) -> dict:
-    """The kernel arguments of `sum_pairs` + `add_shared` for a PairSum (see the kernels that take them)."""
+class PairArgs(NamedTuple):
+    """What a kernel that finishes a PairSum (`sum_pairs` + `add_shared`) is launched with."""
+
+    tensors: tuple  # (y, ids, shared, shared gate): pointers (y stands in for an absent shared / gate)
+    strides: tuple  # (shared's row stride, its chunk stride, the gate's row stride, its chunk stride)
+    meta: dict  # the constexprs: K_TOP, BLOCK_TOP, SHARED, SPLIT_S, SPLIT_G
+
+
+def pair_args(value: PairSum) -> PairArgs:
+    """The launch arguments of `sum_pairs` + `add_shared` for a PairSum."""
     s, s_chunk_s, split_s = source(value.shared) if value.shared is not None else (value.y, 0, 0)
     g, s_chunk_g, split_g = source(value.shared_gate) if value.shared_gate is not None else (value.y, 0, 0)
     k = value.ids.shape[1]
-    return dict(
+    return PairArgs(
         tensors=(value.y, value.ids.contiguous(), s, g),
         strides=(s.stride(-2) if value.shared is not None else 0, s_chunk_s,
                  g.stride(-2) if value.shared_gate is not None else 0, s_chunk_g),

@@ -286,9 +286,9 @@ def combine_triton(value: PairSum, block_n: int = BLOCK_N) -> torch.Tensor:
     out = torch.empty(R, H, dtype=value.dtype, device=value.device)  # [R, H]
     if R and H:
         a = pair_args(value)
-        y, ids, s, g = a["tensors"]
-        _combine_kernel[(R, triton.cdiv(H, block_n))](y, ids, s, g, out, value.num_experts, H, *a["strides"],
-                                                      **a["meta"], BLOCK_N=block_n, **pdl(y))
+        y, ids, s, g = a.tensors
+        _combine_kernel[(R, triton.cdiv(H, block_n))](y, ids, s, g, out, value.num_experts, H, *a.strides,
+                                                      **a.meta, BLOCK_N=block_n, **pdl(y))
     return out
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.deferred import PairSum, SplitSum, load_rows, pair_args, source, sum_pairs, add_shared, tl_dtype
+from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.invariant import plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
@@ -166,9 +166,9 @@ def add_rms_norm_triton(
     if rows:
         if isinstance(x, PairSum):
             a = pair_args(x)
-            h, ids, s, g = a["tensors"]
-            src = dict(PAIRS=True, SPLIT=0, **a["meta"])
-            strides, s_h, s_chunk_h, e = a["strides"], 0, 0, x.num_experts
+            h, ids, s, g = a.tensors
+            src = dict(PAIRS=True, SPLIT=0, **a.meta)
+            strides, s_h, s_chunk_h, e = a.strides, 0, 0, x.num_experts
         else:
             if isinstance(x, torch.Tensor) and x.stride(-1) != 1:
                 x = x.contiguous()
