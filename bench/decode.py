@@ -207,7 +207,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-checks", action="store_true")
-    p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8")
+    p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8 "
+                   "(with STRATA_PDL=0 in the environment each kernel's time is its own, not overlapped)")
     args = p.parse_args()
     device = "cuda"
 
@@ -230,9 +231,13 @@ def main() -> None:
     for rows in [int(c) for c in args.concurrency.split(",")]:
         ours = time_strata(engine, rows, args.tokens, args.prompt_len)
         plain = time_strata(engine, rows, args.tokens, args.prompt_len, lookahead=0)
+        before = os.environ.get("STRATA_PDL")
         os.environ["STRATA_PDL"] = "0"  # kernels launched one after the other (strata/kernels/pdl.py)
         no_pdl = time_strata(engine, rows, args.tokens, args.prompt_len)
-        del os.environ["STRATA_PDL"]
+        if before is None:
+            del os.environ["STRATA_PDL"]
+        else:
+            os.environ["STRATA_PDL"] = before
         ref = None if args.skip_transformers else time_transformers(model, rows, args.tokens, args.prompt_len)
         experts = distinct_experts(spec, rows)
         roof = rows * bw / step_bytes(engine, rows, args.prompt_len + args.tokens // 2, experts)
