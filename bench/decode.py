@@ -122,10 +122,11 @@ def distinct_experts(spec, rows: int) -> float:
     return e * (1 - (1 - k / e) ** rows)
 
 
-def check_sampled_repeats(engine, vocab: int, tokens: int = 48) -> tuple[bool, bool]:
+def check_sampled_repeats(engine, vocab: int, tokens: int = 48) -> tuple[bool, bool, int | None]:
     """Seeded sampling (temperature 0.8, top-p 0.9) run twice the same way: (the prompt read's logits are bitwise
-    the same both times, the tokens are the same both times). Found untrue on the H200 on 2026-11-30 for the
-    tokens; the first says whether the prompt read is where runs differ."""
+    the same both times, the tokens are the same both times, the first decode step whose logits differ when two
+    new states are fed the first run's tokens one at a time — None when none does, so the sampler is where runs
+    part). Found untrue on the H200 for the tokens (Qwen3-Next in every run, the 30B shape rarely)."""
     from strata.runtime.sampling import SamplingParams
 
     prompt = [(3 + 7919 * j) % vocab for j in range(96)]
@@ -134,7 +135,16 @@ def check_sampled_repeats(engine, vocab: int, tokens: int = 48) -> tuple[bool, b
     for _ in range(2):
         reads.append(engine.run(engine.new_state(), prompt).clone())
         runs.append(engine.generate(prompt, tokens, params, stop_ids=frozenset()).ids)
-    return torch.equal(reads[0], reads[1]), runs[0] == runs[1]
+    states = engine.new_state(), engine.new_state()
+    for state in states:
+        engine.run(state, prompt)
+    first_diff = None
+    for step, token in enumerate(runs[0][:-1]):
+        a, b = (engine.run(state, [token]) for state in states)
+        if not torch.equal(a, b):
+            first_diff = step
+            break
+    return torch.equal(reads[0], reads[1]), runs[0] == runs[1], first_diff
 
 
 def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150) -> tuple[bool, bool]:
@@ -223,9 +233,10 @@ def main() -> None:
         invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
         print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
               f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
-        read_same, sampled_same = check_sampled_repeats(engine, spec.vocab_size)
+        read_same, sampled_same, first_diff = check_sampled_repeats(engine, spec.vocab_size)
         print(f"seeded sampling run twice: prompt-read logits bitwise equal: {'yes' if read_same else 'NO'}; "
-              f"tokens equal: {'yes' if sampled_same else 'NO'}")
+              f"tokens equal: {'yes' if sampled_same else 'NO'}; two states fed the same tokens: logits "
+              + ("bitwise equal at every step" if first_diff is None else f"first differ at decode step {first_diff}"))
     print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'no PDL':>8} {'transformers':>13} {'speedup':>8} "
           f"{'experts/layer':>14} {'roofline tok/s':>15} {'of roofline':>12}")
     for rows in [int(c) for c in args.concurrency.split(",")]:
