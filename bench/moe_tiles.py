@@ -33,7 +33,7 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4),
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4),
     ExpertTiles(block_m=16, block_n=16, block_k=256, num_warps=4, num_stages=3),
-    ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
+    ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),  # the choice before (down 32 wide)
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=256),
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
