@@ -41,7 +41,7 @@ CANDIDATES = [
 
 
 def _label(t: ExpertTiles) -> str:
-    down = f" down {t.down_n}x{t.down_k}" if t.down_n else ""
+    down = f" down {t.down_n}x{t.down_k or t.block_k}" if t.down_n else ""
     return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}"
 
 
