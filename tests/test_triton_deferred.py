@@ -194,3 +194,17 @@ def test_shared_pair_needs_the_routed_experts_shape():
     a = moe_triton(x, router, gate_up, down, k, norm, wide, gate, linear=linear_triton, shared_pair=True)
     b = moe_triton(x, router, gate_up, down, k, norm, wide, gate, linear=linear_triton)
     assert torch.equal(a, b)
+
+
+def test_split_sum_views_finish_like_the_finished_tensor():
+    """A SplitSum sliced and reshaped as split_qkv slices the projection (column ranges, heads) finishes to the
+    same slice of the finished tensor."""
+    x, w = _split(3, 96, 1024, torch.float32, seed=21)
+    value, whole = linear_split(x, w), linear_triton(x, w)
+    q, k, v = value.split([48, 32, 16], dim=-1)
+    assert q.shape == (3, 48) and q.stride(0) == 96 and q.dim() == 2
+    assert torch.equal(finish(k), whole[:, 48:80])
+    heads = q.reshape(3, 4, 12)
+    assert heads.shape == (3, 4, 12) and torch.equal(finish(heads), whole[:, :48].reshape(3, 4, 12))
+    first, second = v.chunk(2, dim=-1)
+    assert torch.equal(finish(second), whole[:, 88:])
