@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.deferred import SplitSum, load_rows, source
+from strata.kernels.deferred import SplitSum, add_shared, load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
 BLOCK = 1024
@@ -59,11 +59,10 @@ def _sigmoid_gate_add_kernel(p_out, p_s, p_g, p_res, H, s_out, s_s, s_g, s_res, 
     m_n = o_n < H
     r = i_r.to(tl.int64)
     ty = p_res.dtype.element_ty
-    b_g = tl.sigmoid(tl.load(p_g + r * s_g).to(tl.float32)).to(ty).to(tl.float32)  # torch.sigmoid, rounded
-    b_s = tl.load(p_s + r * s_s + o_n, mask=m_n, other=0.0).to(tl.float32)
-    b_gs = (b_g * b_s).to(ty).to(tl.float32)
-    b_out = tl.load(p_out + r * s_out + o_n, mask=m_n, other=0.0).to(tl.float32)
-    tl.store(p_res + r * s_res + o_n, (b_out + b_gs).to(ty), mask=m_n)
+    b_out = tl.load(p_out + r * s_out + o_n, mask=m_n, other=0.0)
+    # the arithmetic the MoE's combine and residual norm finish a gated shared expert with (deferred.add_shared)
+    b_res = add_shared(b_out, p_s + r * s_s + o_n, 0, p_g + r * s_g, 0, m_n, 2, 0, 0, ty)
+    tl.store(p_res + r * s_res + o_n, b_res, mask=m_n)
 
 
 @triton.jit

@@ -32,10 +32,9 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return weights.to(x.dtype), ids
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear,
-           act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
-    """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]. `act`: silu(gate) * up of [R, 2I]."""
-    return linear(act(linear(x, gate_up)), down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+    """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]."""
+    return linear(silu_mul(linear(x, gate_up)), down)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -76,13 +75,12 @@ def moe(
     return add_shared_expert(out, x, shared, shared_gate, lambda *a: rows(swiglu, *a), lambda *a: rows(F.linear, *a))
 
 
-def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear,
-                      gate_add=sigmoid_gate_add) -> torch.Tensor:
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear) -> torch.Tensor:
     """out + the shared expert's SwiGLU of x, scaled by sigmoid(x @ shared_gate) when there is a gate."""
     if shared is None:
         return out
     s = run_swiglu(x, *shared)
-    return out + s if shared_gate is None else gate_add(out, s, run_linear(x, shared_gate))
+    return out + s if shared_gate is None else sigmoid_gate_add(out, s, run_linear(x, shared_gate))
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------------
@@ -372,6 +370,13 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
     return pair_of_slot, expert_of_block
 
 
+def shared_fits(shared: tuple[torch.Tensor, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether a shared expert (gate_up [2I, H], down [H, I]) can run as one more expert of the routed ones: the
+    same shapes and strides as one routed expert's, so the experts' kernels address it like the others."""
+    return shared[0].shape == gate_up.shape[1:] and shared[0].stride() == gate_up.stride()[1:] \
+        and shared[1].shape == down.shape[1:] and shared[1].stride() == down.stride()[1:]
+
+
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False,
                          shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | PairSum:
@@ -391,11 +396,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     if P == 0 or held == 0:  # no rows, or no expert held here: every pair adds nothing
         pairs = PairSum(torch.empty(P, H, dtype=torch.float32, device=x.device), ids, held, x.dtype)
         return pairs if defer else combine_triton(pairs, tiles.combine_n)
-    if shared is not None:
-        assert shared[0].shape == gate_up.shape[1:] and shared[0].stride() == gate_up.stride()[1:], \
-            "the shared expert's gate_up must have the routed experts' shape and strides"
-        assert shared[1].shape == down.shape[1:] and shared[1].stride() == down.stride()[1:], \
-            "the shared expert's down must have the routed experts' shape and strides"
+    assert shared is None or shared_fits(shared, gate_up, down), \
+        "the shared expert's gate_up and down must have the routed experts' shapes and strides"
     s_gate_up, s_down = shared if shared is not None else (gate_up, down)
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
@@ -438,9 +440,7 @@ def moe_triton(
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
     roundings than the separate products (the same for a row whatever shares its window)."""
     logits = linear(x, router)
-    if shared is not None and shared_pair and shared[0].shape == gate_up.shape[1:] \
-            and shared[1].shape == down.shape[1:] and shared[0].stride() == gate_up.stride()[1:] \
-            and shared[1].stride() == down.stride()[1:]:
+    if shared is not None and shared_pair and shared_fits(shared, gate_up, down):
         weights, ids = route_triton(logits, top_k, norm_topk, "gated" if shared_gate is not None else "plain", x,
                                     shared_gate)
         pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True, shared=shared)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.deferred import load_rows, source, tl_dtype
+from strata.kernels.deferred import load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
 from strata.kernels.rmsnorm import rms_norm_triton
@@ -40,13 +40,14 @@ def _qk_prep_kernel(
     p_q, p_k, p_v, p_qn, p_kn, p_pos, p_seq, p_inv_freq, p_q_out, p_k_pool, p_v_pool,
     s_qr, s_qh, s_kr, s_kh, s_vr, s_vh, s_ps, s_pc, s_ph,
     H, HKV, D, HALF, eps, s_chunk,
-    SPLIT: tl.constexpr, TY: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    SPLIT: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, head): heads 0..H-1 are q's (written to q_out), H..H+HKV-1 are k's (written,
     with the row's v head, to the row's cell of the pool)."""
     wait_for_prior(PDL)
+    TY = p_q_out.dtype.element_ty  # the model's dtype: q, k and v (or their split chunks' sums) round to it
     i_r, i_j = tl.program_id(0), tl.program_id(1)
     is_q = i_j < H
     i_h = tl.where(is_q, i_j, i_j - H)
@@ -116,7 +117,7 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             h, hkv, d, half, eps, s_chunk,
-            SPLIT=split, TY=tl_dtype(q_out.dtype), QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
+            SPLIT=split, QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
             num_warps=min(16, max(1, triton.next_power_of_2(d) // 512)),  # the norm kernel's: its sum order
             **pdl(p_q),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
+from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs
 from strata.kernels.invariant import plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
@@ -82,11 +82,12 @@ def _add_rms_norm_kernel(
     p_h, p_ids, p_s, p_g, p_res, p_w, p_out, p_res_out,
     s_h, s_chunk_h, s_s, s_chunk_s, s_g, s_chunk_g, s_res, E, D, eps,
     PAIRS: tl.constexpr, SPLIT: tl.constexpr, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, SHARED: tl.constexpr,
-    SPLIT_S: tl.constexpr, SPLIT_G: tl.constexpr, TY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_S: tl.constexpr, SPLIT_G: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: h (a tensor, a SplitSum's chunks, or a PairSum's pairs and shared expert: finished here as their own
     kernels would), residual + h rounded as torch's add, stored, then normalised."""
     wait_for_prior(PDL)
+    TY = p_out.dtype.element_ty  # the residual's dtype: h rounds to it as its own kernel would store it
     i_r = tl.program_id(0)
     r = i_r.to(tl.int64)
     o_d = tl.arange(0, BLOCK)
@@ -179,7 +180,7 @@ def add_rms_norm_triton(
         _add_rms_norm_kernel[(rows,)](
             h, ids, s, g, residual, weight.contiguous(), out, res_out,
             s_h, s_chunk_h, *strides, residual.stride(0), e, d, eps,
-            **src, TY=tl_dtype(residual.dtype), BLOCK=block, num_warps=add_norm_warps(block), **pdl(residual),
+            **src, BLOCK=block, num_warps=add_norm_warps(block), **pdl(residual),
         )
     return out.reshape(shape), res_out.reshape(shape)
 
