@@ -8,7 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from strata.kernels.linear import CONFIGS, linear_reference, linear_triton, preload_k, split_k  # noqa: E402
+from strata.kernels.linear import CONFIGS, linear_reference, linear_triton, split_k  # noqa: E402
 
 TOLS = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -79,13 +79,3 @@ def test_split_k_depends_on_the_weight_shape_only():
     assert split_k(2048, 4096, 64, 128) == 8  # 32 tiles -> 256 programs
     assert split_k(5120, 2048, 64, 128) == 2
     assert split_k(40, 136, 64, 64) == 1  # too short to split
-
-
-def test_preload_takes_whole_blocks_within_the_chunk_and_the_byte_budget():
-    """The columns a program loads before waiting for the kernel before it (the tests above run every case:
-    K=136 preloads 128 columns and finishes the tail in the loop, K=24 preloads none)."""
-    assert preload_k(512, 64, 128, 2) == 512  # the 30B o projection's chunk, 64 KB: all of it
-    assert preload_k(1024, 64, 128, 2) == 512  # the qkv projection's chunk: half
-    assert preload_k(136, 64, 64, 4) == 128
-    assert preload_k(136, 64, 128, 2) == 128
-    assert preload_k(24, 64, 64, 4) == 0  # shorter than a block

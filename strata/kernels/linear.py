@@ -43,18 +43,6 @@ def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
-PRELOAD_BYTES = 64 * 1024  # per program; more spills registers (bench/linear_tiles.py, docs/PERFORMANCE.md)
-
-
-def preload_k(k_chunk: int, block_n: int, block_k: int, itemsize: int) -> int:
-    """How many of a program's K columns it loads before waiting for the kernel before it: whole K blocks, a
-    power of two, at most PRELOAD_BYTES of weight and at most its chunk."""
-    pre = block_k
-    while pre * 2 <= k_chunk and pre * 2 * block_n * itemsize <= PRELOAD_BYTES:
-        pre *= 2
-    return pre if pre <= k_chunk and pre * block_n * itemsize <= PRELOAD_BYTES else 0
-
-
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K]; bias: [N] or None -> [M, N]."""
     return F.linear(x, weight, bias)
@@ -72,41 +60,26 @@ def linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PRE_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
-    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile. PRE_K: the first
-    PRE_K columns of the program's weight slab are loaded before it waits for the kernel before it (with PDL
-    that kernel is still running), so they are on chip when the input is ready. PRE_K is fixed by the weight's
-    shape, like the tiles, so a row's bits still do not depend on the other rows."""
+    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
+    wait_for_prior(PDL)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     i_s = tl.program_id(2)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_n = o_n < N
-    k0 = i_s * K_CHUNK
-    k_end = tl.minimum(K - k0, K_CHUNK)
-    if PRE_K > 0:
-        o_pk = tl.arange(0, PRE_K)
-        m_pk = o_pk < k_end
-        b_wp = tl.load(p_w + o_n.to(tl.int64)[None, :] * stride_wn + (k0 + o_pk)[:, None] * stride_wk,
-                       mask=m_pk[:, None] & m_n[None, :], other=0.0)  # [PRE_K, BLOCK_N]
-    wait_for_prior(PDL)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_m = o_m < M
+    m_n = o_n < N
+    k0 = i_s * K_CHUNK
     p_xk = p_x + o_m.to(tl.int64)[:, None] * stride_xm + (k0 + o_k)[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
     p_wk = p_w + o_n.to(tl.int64)[None, :] * stride_wn + (k0 + o_k)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     # tl.full and // rather than tl.zeros / tl.cdiv (jit helpers that break the interpreter when triton
     # was imported before TRITON_INTERPRET was set)
     b_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    if PRE_K > 0:
-        b_xp = tl.load(p_x + o_m.to(tl.int64)[:, None] * stride_xm + (k0 + o_pk)[None, :] * stride_xk,
-                       mask=m_m[:, None] & m_pk[None, :], other=0.0)  # [BLOCK_M, PRE_K]
-        b_acc = tl.dot(b_xp, b_wp, b_acc, input_precision=INPUT_PRECISION)
-        p_xk += PRE_K * stride_xk
-        p_wk += PRE_K * stride_wk
-    for i_k in range(PRE_K // BLOCK_K, (k_end + BLOCK_K - 1) // BLOCK_K):
+    k_end = tl.minimum(K - k0, K_CHUNK)
+    for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):
         m_k = o_k < k_end - i_k * BLOCK_K
         b_x = tl.load(p_xk, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
@@ -178,7 +151,6 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         PARTIAL=split > 1,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE_K=preload_k(k // split if split > 1 else k, block_n, block_k, weight.element_size()),
         num_warps=NUM_WARPS, num_stages=num_stages, **pdl(x)
     )
     if split == 1:
