@@ -126,7 +126,8 @@ def check_sampled_repeats(engine, vocab: int, tokens: int = 48) -> tuple[bool, b
     """Seeded sampling (temperature 0.8, top-p 0.9) run twice the same way: (the prompt read's logits are bitwise
     the same both times, the tokens are the same both times, the first decode step whose logits differ when two
     new states are fed the first run's tokens one at a time — None when none does, so the sampler is where runs
-    part). Found untrue on the H200 for the tokens (Qwen3-Next in every run, the 30B shape rarely)."""
+    part). It found the sampler at fault on the H200: torch.cumsum over one long row did not add in a fixed order,
+    so a number close to a token boundary picked either token (`strata/kernels/sampling.py` fixed it)."""
     from strata.runtime.sampling import SamplingParams
 
     prompt = [(3 + 7919 * j) % vocab for j in range(96)]
@@ -172,12 +173,17 @@ def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150
     return invariant, same
 
 
-def time_strata(engine, rows: int, tokens: int, prompt_len: int, lookahead: int = 1) -> float:
-    """Tokens per second of `rows` conversations stepped as the engine process steps them (`Slots.step`)."""
+def time_strata(engine, rows: int, tokens: int, prompt_len: int, lookahead: int = 1, sampled: bool = False) -> float:
+    """Tokens per second of `rows` conversations stepped as the engine process steps them (`Slots.step`); greedy,
+    or `sampled` (temperature 0.8, top-p 0.9, a seed per conversation)."""
+    from strata.runtime.sampling import SamplingParams
+
     vocab = engine.spec.vocab_size
     slots = engine.init_slots(rows, lookahead=lookahead)
     for i in range(rows):
-        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8, stop_ids=frozenset())
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=i) if sampled else SamplingParams()
+        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8, params,
+                    stop_ids=frozenset())
     for _ in range(3):  # capture the graph for this row count
         slots.step()
     torch.cuda.synchronize()
@@ -237,10 +243,11 @@ def main() -> None:
         print(f"seeded sampling run twice: prompt-read logits bitwise equal: {'yes' if read_same else 'NO'}; "
               f"tokens equal: {'yes' if sampled_same else 'NO'}; two states fed the same tokens: logits "
               + ("bitwise equal at every step" if first_diff is None else f"first differ at decode step {first_diff}"))
-    print(f"{'conv':>5} {'strata tok/s':>13} {'no lookahead':>13} {'no PDL':>8} {'transformers':>13} {'speedup':>8} "
+    print(f"{'conv':>5} {'strata tok/s':>13} {'sampled':>8} {'no lookahead':>13} {'no PDL':>8} {'transformers':>13} {'speedup':>8} "
           f"{'experts/layer':>14} {'roofline tok/s':>15} {'of roofline':>12}")
     for rows in [int(c) for c in args.concurrency.split(",")]:
         ours = time_strata(engine, rows, args.tokens, args.prompt_len)
+        sampled = time_strata(engine, rows, args.tokens, args.prompt_len, sampled=True)
         plain = time_strata(engine, rows, args.tokens, args.prompt_len, lookahead=0)
         before = os.environ.get("STRATA_PDL")
         os.environ["STRATA_PDL"] = "0"  # kernels launched one after the other (strata/kernels/pdl.py)
@@ -254,7 +261,7 @@ def main() -> None:
         roof = rows * bw / step_bytes(engine, rows, args.prompt_len + args.tokens // 2, experts)
         ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
         speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
-        print(f"{rows:>5} {ours:13.1f} {plain:13.1f} {no_pdl:8.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
+        print(f"{rows:>5} {ours:13.1f} {sampled:8.1f} {plain:13.1f} {no_pdl:8.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
     for rows in [int(c) for c in args.profile.split(",") if c]:
         slots = engine.init_slots(rows)
         for i in range(rows):

@@ -28,6 +28,8 @@ from strata.kernels.moe import (PROMPT_TILES, add_shared_expert, moe_triton, rou
 from strata.kernels.qk_prep import qk_prep_reference, qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm, add_rms_norm_triton, rms_norm, rms_norm_triton, rms_normalize
 from strata.kernels.rope import apply_rope, apply_rope_triton, rope_cos_sin, rope_inv_freq
+from strata.kernels.sampling import pick_triton, uniform_triton
+from strata.runtime.sampling import SamplingParams, philox_uniform, sample
 
 DEV, BF16 = "cuda", torch.bfloat16
 BOUND = 2e-2  # relative error allowed for bfloat16 outputs against a float32 reference
@@ -191,11 +193,63 @@ def check_gdn() -> None:
                rel(conv_pool[seq.long()], conv_ref[seq.long()])))
 
 
+def check_sampling() -> None:
+    """The sampler on the device over a 151,936-token vocabulary: its uniform numbers against the torch generator
+    (bitwise), its pick against float64 sums (a top-p cut between two tokens, positions whose number lands well
+    inside a token's share, so the pick must be that rank exactly), 20 repeated calls bitwise alike (torch.cumsum
+    on one long row was not), and the time of a pick and of a whole `sample` call."""
+    rows, vocab = 64, 151936
+    seeds = torch.randint(0, 2**62, (rows,))
+    counters = torch.randint(0, 2**40, (rows,))
+    report("uniform_triton vs philox_uniform: numbers that differ",
+           float((uniform_triton(seeds.to(DEV), counters.to(DEV)).cpu() != philox_uniform(seeds, counters)).sum()), 0)
+    logits = torch.randn(rows, vocab, device=DEV, dtype=torch.float64) * torch.linspace(2.0, 8.0, rows, device=DEV)[:, None]
+    probs = logits.softmax(-1).sort(-1, descending=True).values.float()
+    cum = probs.double().cumsum(-1).cpu()
+    top_p, positions, want = [], [], []
+    tries = torch.arange(200)
+    for r in range(rows):
+        wide = max(2, int((probs[r].double().cpu() > 1e-4).sum()))  # shares far above float32 rounding
+        cut = min(wide, 200)
+        top_p.append(float((cum[r, cut - 2] + cum[r, cut - 1]) / 2 / cum[r, -1]))  # keeps `cut` tokens
+        bounds = torch.cat([torch.zeros(1, dtype=torch.float64), cum[r, :cut]]) / cum[r, cut - 1]
+        u = philox_uniform(seeds[r].repeat(200), tries).double()
+        j = torch.searchsorted(bounds[1:], u, right=True)
+        margin = torch.minimum(u - bounds[j], bounds[j + 1] - u)
+        first = int(torch.nonzero(margin > 1e-5)[0])
+        positions.append(first)
+        want.append(int(j[first]))
+    top_k = torch.full((rows,), vocab, device=DEV)
+    top_p, min_p = torch.tensor(top_p, device=DEV, dtype=torch.float32), torch.zeros(rows, device=DEV)
+    seed, position = seeds.to(DEV), torch.tensor(positions, device=DEV)
+    picks = [pick_triton(probs, top_k, top_p, min_p, seed, position) for _ in range(20)]
+    report("pick_triton [64, 151936]: ranks off the float64 pick", float((picks[0].cpu() != torch.tensor(want)).sum()), 0)
+    report("pick_triton: calls that differ from the first of 20", float(sum(not torch.equal(p, picks[0]) for p in picks)), 0)
+    ones = torch.ones(rows, device=DEV)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1)] * rows
+    timed = {"pick_triton, top_p 0.9": lambda n: pick_triton(probs[:n], top_k[:n], top_p[:n], min_p[:n], seed[:n],
+                                                              position[:n]),
+             "pick_triton, top_p 1 (the whole row, 3 times)": lambda n: pick_triton(
+                 probs[:n], top_k[:n], ones[:n], min_p[:n], seed[:n], position[:n]),
+             "sample(), temperature 0.8, top_p 0.9": lambda n: sample(logits[:n].float(), params[:n], list(range(n)))}
+    for name, fn in timed.items():
+        for n in (1, 64):
+            fn(n)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fn(n)
+            end.record()
+            torch.cuda.synchronize()
+            print(f"{name}, {n} row(s): {start.elapsed_time(end) / 20 * 1e3:.1f} us a call")
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
     for check in (check_linear, check_norms_and_rope, check_qk_prep, check_elementwise, check_moe, check_attention,
-                  check_gdn):
+                  check_gdn, check_sampling):
         try:
             check()
         except Exception:  # noqa: BLE001 - one broken check must not hide the others

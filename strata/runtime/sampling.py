@@ -134,6 +134,26 @@ def apply_penalties(
     return torch.where(active, out, logits)
 
 
+def pick_reference(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor) -> Tensor:
+    """probs float32 [R, V], each row sorted in descending order; top_k int64 [R] (V for off); top_p, min_p, u
+    float32 [R]. Returns each row's picked rank, int64 [R]: of the ranks the filters keep, the first whose running
+    sum exceeds u times the kept mass. On a GPU `strata.kernels.sampling.pick_triton` does this: torch.cumsum over
+    one long row does not add in a fixed order there, and the pick must not change from run to run."""
+    vocab_size = probs.shape[-1]
+    # Each filter keeps a prefix of the sorted order, and every one keeps the first token.
+    rank = torch.arange(vocab_size, device=probs.device)
+    keep = rank[None, :] < top_k[:, None]
+    probs = probs.masked_fill(~keep, 0.0)
+    cum = probs.cumsum(dim=-1)
+    keep &= (cum - probs) < top_p[:, None] * cum[:, -1:]  # mass before the token is short of top_p
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(~keep, 0.0)
+    cum = probs.cumsum(dim=-1)  # [R, V]
+    target = (u * cum[:, -1])[:, None]
+    pick = torch.searchsorted(cum, target, right=True)  # first rank whose cumulative mass exceeds u
+    return torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).squeeze(-1)  # rounding at the top end
+
+
 def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
@@ -157,33 +177,27 @@ def sample(
 
     device = logits.device
     vocab_size = logits.shape[-1]
-    greedy = row_tensor([p.is_greedy for p in params], torch.bool, device)
-    temperature = row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
-    top_k = row_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
-    top_p = row_tensor([p.top_p for p in params], torch.float32, device)
-    min_p = row_tensor([p.min_p for p in params], torch.float32, device)
-    seed = row_tensor([p.seed for p in params], torch.int64, device)
+    # the rows' settings in two host-to-device copies: (temperature, top_p, min_p) and (greedy, top_k, seed)
+    floats = row_tensor([[p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p] for p in params],
+                        torch.float32, device)
+    ints = row_tensor([[p.is_greedy, p.top_k if p.top_k > 0 else vocab_size, p.seed] for p in params], torch.int64,
+                      device)
+    temperature, top_p, min_p = floats.unbind(-1)
+    greedy, top_k, seed = ints[:, 0].bool(), ints[:, 1], ints[:, 2]
+    if not isinstance(positions, Tensor):
+        positions = row_tensor(list(positions), torch.int64, device)
+    positions = positions.to(torch.int64)
 
     x = logits.float()
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # max 0 first: a tiny T cannot overflow
     x_sorted, order = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
     probs = x_sorted.softmax(dim=-1)  # [R, V], descending
 
-    # Each filter keeps a prefix of the sorted order, and every one keeps the first token.
-    rank = torch.arange(vocab_size, device=device)
-    keep = rank[None, :] < top_k[:, None]
-    probs = probs.masked_fill(~keep, 0.0)
-    cum = probs.cumsum(dim=-1)
-    keep &= (cum - probs) < top_p[:, None] * cum[:, -1:]  # mass before the token is short of top_p
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    probs = probs.masked_fill(~keep, 0.0)
+    if probs.is_cuda:  # fixed-order sums and the uniform number in one launch
+        from strata.kernels.sampling import pick_triton  # imports triton: only where a GPU samples
 
-    cum = probs.cumsum(dim=-1)  # [R, V]
-    if not isinstance(positions, Tensor):
-        positions = row_tensor(list(positions), torch.int64, device)
-    u = philox_uniform(seed, positions.to(torch.int64))
-    target = (u * cum[:, -1])[:, None]
-    pick = torch.searchsorted(cum, target, right=True)  # first rank whose cumulative mass exceeds u
-    pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)  # rounding at the top end
-    sampled_ids = order.gather(-1, pick).squeeze(-1)
+        pick = pick_triton(probs, top_k, top_p, min_p, seed, positions)
+    else:
+        pick = pick_reference(probs, top_k, top_p, min_p, philox_uniform(seed, positions))  # [R]
+    sampled_ids = order.gather(-1, pick[:, None]).squeeze(-1)
     return torch.where(greedy, greedy_ids, sampled_ids)
