@@ -1,11 +1,14 @@
-"""Tile choices of the routed experts' grouped GEMMs for decode windows, against the bytes they must read.
+"""Tile choices of the routed experts' grouped GEMMs for decode and prompt windows, against their floors.
 
 At 1 to 64 rows a decode window's experts are bound by reading the routed experts' weights: this times
 `fused_experts_triton` with several `ExpertTiles` at a real shape and prints each one's achieved bandwidth
 against the measured copy bandwidth (the floor is the distinct experts' bytes at that rate). The chosen
-DECODE_TILES must be one configuration for every row count (a row's bits depend on the tiles).
+DECODE_TILES must be one configuration for every row count (a row's bits depend on the tiles). With `--prompt`
+it times PROMPT_TILES' candidates on a prompt's rows (eagerly, as prompt windows run), where the floor is the
+larger of the weights' bytes at the copy rate and the products' FLOPs at the measured bf16 matmul rate.
 
     python bench/moe_tiles.py --shape qwen3-30b-a3b --rows 1,8,64
+    python bench/moe_tiles.py --shape qwen3-next-80b-a3b --rows 4096 --prompt
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import gpu_seconds  # noqa: E402
 from shapes import shape  # noqa: E402
 
-from strata.kernels.moe import DECODE_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
+from strata.kernels.moe import DECODE_TILES, PROMPT_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
 
 CANDIDATES = [
     DECODE_TILES,  # the one in use
@@ -38,6 +41,21 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
 ]
+PROMPT_CANDIDATES = [
+    PROMPT_TILES,  # the one in use: 128, 128, 64, 8 warps, 3 stages, down products 256 wide
+    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512),  # the one before
+    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, combine_n=512),
+    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3, combine_n=512),
+    ExpertTiles(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, combine_n=512),
+    ExpertTiles(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4, combine_n=512),
+    ExpertTiles(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, combine_n=512),
+    ExpertTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, combine_n=512),
+    ExpertTiles(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3, combine_n=512),
+    ExpertTiles(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=2, combine_n=512),
+    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=64, down_k=128),
+    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=128,
+                down_k=128),
+]
 
 
 def _label(t: ExpertTiles) -> str:
@@ -49,6 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--rows", default="1,8,64")
+    p.add_argument("--prompt", action="store_true", help="PROMPT_TILES' candidates, timed eagerly")
     args = p.parse_args()
     spec = shape(args.shape)
     m, h = spec.moe, spec.hidden_size
@@ -59,25 +78,29 @@ def main() -> None:
     dst = torch.empty_like(src)
     bw = src.numel() * 2 / gpu_seconds(lambda: dst.copy_(src), reps=10)
     del src, dst
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=dt) for _ in range(2))
+    flops = 2 * 8192**3 / gpu_seconds(lambda: a @ b, reps=10)
+    del a, b
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
-          f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>44} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8}")
+          f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>44} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8} {'of floor':>9}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(rows, h, device=dev, dtype=dt)
         weights, ids = route_triton(torch.randn(rows, m.num_experts, device=dev), m.top_k, True)
         distinct = ids.unique().numel()
-        floor = distinct * per_expert / bw
-        for t in CANDIDATES:
+        floor = max(distinct * per_expert / bw, rows * m.top_k * 3 * 2 * m.expert_dim * h / flops)
+        for t in PROMPT_CANDIDATES if args.prompt else CANDIDATES:
             try:
-                sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20, graph=True)
+                sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20,
+                                  graph=not args.prompt)
             except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
                 print(f"{rows:4d} {_label(t):>44} failed: "
                       f"{type(e).__name__}")
                 continue
             tb = distinct * per_expert / sec / 1e12
             print(f"{rows:4d} {_label(t):>44} "
-                  f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%}")
+                  f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%} {floor / sec:9.0%}")
 
 
 if __name__ == "__main__":

@@ -110,7 +110,10 @@ class ExpertTiles:
 # 64 rows) had 32 columns x 128-deep steps with 4 stages fastest or within 1 % of the fastest at every row count;
 # the down products' 64-column tiles were 0.3-2.8 % faster than 32 at 1, 8 and 64 rows (fourth session).
 DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64, down_n=64)
-PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512)
+# Prompt windows: bench/moe_tiles.py --prompt on an H200 (4,096 rows, eager): of twelve candidates, 128 x 128 x 64
+# tiles on 8 warps with down products 256 columns wide were fastest at both shapes (Qwen3-Next experts 1,459 us, 52 %
+# of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session.
+PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=256)
 
 
 @triton.jit
