@@ -196,8 +196,8 @@ class Slots:
             events += self._read(self._flight.popleft())
         return events
 
-    def _launch(self, group: int) -> bool:
-        """Launch the group's next window; False when it has no row to run. With a window of the group in flight
+    def _launch(self, group: int) -> None:
+        """Launch the group's next window, if it has a row to run. With a window of the group in flight
         (lookahead), the rows are that window's slots that are still active and not certain to end, and each
         takes the token its row there sampled, on the device; otherwise every active slot of the group takes its
         last token from the host."""
@@ -207,7 +207,7 @@ class Slots:
         else:  # a slot joins a group only after a flush, so every row continues one of the latest window's
             rows = [i for i in latest.slots if self.slots[i].active and not self._ends_after_pending(i)]
         if not rows:
-            return False
+            return
         parts = [(self.slots[i].state, [self.slots[i].next_token if latest is None else 0], False) for i in rows]
         window = Window.build(parts, self.engine.device, fed=latest is not None)
         sw = SlotWindow(window, rows, group=group)
@@ -239,7 +239,6 @@ class Slots:
         for i in rows:  # the row's position is the state's now; its token joins `state.tokens` when read
             self.slots[i].state.length += 1
         self._flight.append(sw)
-        return True
 
     def _ends_after_pending(self, index: int) -> bool:
         """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
