@@ -112,3 +112,13 @@ def test_sample_packs_each_rows_settings():
     for r in range(4):
         assert sample(logits[r : r + 1], params[r : r + 1], [3 + r])[0] == together[r]
     assert together[1] == logits[1].argmax()
+
+
+def test_nan_probabilities_pick_rank_0_not_an_index_out_of_range():
+    """NaN logits (a broken checkpoint) make every comparison false, so no rank is kept: both versions pick rank
+    0 instead of -1, which would index out of range on the device."""
+    probs = torch.full((2, 50), float("nan"))
+    args = torch.tensor([50, 50]), torch.tensor([0.9, 1.0]), torch.zeros(2)
+    assert torch.equal(pick_reference(probs, *args, torch.tensor([0.5, 0.5])), torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(pick_triton(probs, *args, torch.tensor([1, 2]), torch.tensor([3, 4])),
+                       torch.zeros(2, dtype=torch.int64))

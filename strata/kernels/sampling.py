@@ -114,7 +114,7 @@ def _pick_kernel(p_probs, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, s
         b, c, carry = _running_sum(row, b0 + o_b, n, carry)
         ok = (b0 + o_b < n) & (c - b < limit) & (b >= floor)
         below += (ok & (c <= target)).to(tl.int32)
-    tl.store(p_pick + r, tl.minimum(tl.sum(below, 0), n_kept - 1).to(tl.int64))
+    tl.store(p_pick + r, tl.maximum(tl.minimum(tl.sum(below, 0), n_kept - 1), 0).to(tl.int64))  # 0: NaN logits
 
 
 def pick_triton(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

@@ -151,7 +151,8 @@ def pick_reference(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u
     cum = probs.cumsum(dim=-1)  # [R, V]
     target = (u * cum[:, -1])[:, None]
     pick = torch.searchsorted(cum, target, right=True)  # first rank whose cumulative mass exceeds u
-    return torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).squeeze(-1)  # rounding at the top end
+    pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)  # rounding at the top end
+    return pick.clamp(min=0).squeeze(-1)  # NaN logits keep nothing: rank 0 rather than an index out of range
 
 
 def sample(
