@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import print_kernel_table  # noqa: E402
+from gpu_timing import copy_bandwidth, print_kernel_table  # noqa: E402
 
 from strata.kernels.pdl import enabled as pdl_enabled  # noqa: E402
 
@@ -77,21 +77,6 @@ def strata_engine(model, device: str):
     family, spec = build_spec(config, "bench")
     weights = load_stage_weights(ckpt, family, spec, range(spec.num_layers), torch.device(device), torch.bfloat16)
     return Engine(None, device=device, dtype=torch.bfloat16, max_cells=1024, spec=spec, weights=weights)
-
-
-def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def step_bytes(engine, rows: int, context: int, distinct_experts: float) -> float:

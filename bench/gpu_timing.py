@@ -1,8 +1,10 @@
 """GPU timing for the benchmarks: mean seconds of a call (CUDA events, optionally replayed from a CUDA graph as
-decode windows are), and where a step's time goes (its kernels by GPU time, from torch.profiler)."""
+decode windows are), where a step's time goes (its kernels by GPU time, from torch.profiler), and the card's own
+anchors: its copy bandwidth and its bf16 matmul rate."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -30,6 +32,36 @@ def gpu_seconds(fn: Callable[[], object], reps: int = 10, graph: bool = False) -
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / reps
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), over `nbytes` of bfloat16."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def matmul_rate(device: str, n: int = 8192) -> float:
+    """FLOP/s of a bf16 [n, n] x [n, n] product (torch's GEMM)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - start)
 
 
 def print_kernel_table(run: Callable[[], None], title: str, top: int = 15, steps: int = 1) -> None:

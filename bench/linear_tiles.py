@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import gpu_seconds  # noqa: E402
+from gpu_timing import copy_bandwidth, gpu_seconds  # noqa: E402
 from shapes import shape  # noqa: E402
 
 import strata.kernels.linear as lin  # noqa: E402
@@ -71,10 +71,7 @@ def main() -> None:
     args = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bw = src.numel() * 2 / gpu_seconds(lambda: dst.copy_(src), reps=10)
-    del src, dst
+    bw = copy_bandwidth(dev)
     print(f"{args.shape} projections, bf16, {torch.cuda.get_device_name()} ({sms} SMs); copy bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     shipped_rule, shipped_cfg = lin.split_k, dict(lin.CONFIGS)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import gpu_seconds  # noqa: E402
+from gpu_timing import copy_bandwidth, gpu_seconds, matmul_rate  # noqa: E402
 from shapes import shape  # noqa: E402
 
 from strata.kernels.moe import DECODE_TILES, PROMPT_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
@@ -74,13 +74,7 @@ def main() -> None:
     dev, dt = "cuda", torch.bfloat16
     gate_up = torch.randn(m.num_experts, 2 * m.expert_dim, h, device=dev, dtype=dt) / h**0.5
     down = torch.randn(m.num_experts, h, m.expert_dim, device=dev, dtype=dt) / m.expert_dim**0.5
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bw = src.numel() * 2 / gpu_seconds(lambda: dst.copy_(src), reps=10)
-    del src, dst
-    a, b = (torch.randn(8192, 8192, device=dev, dtype=dt) for _ in range(2))
-    flops = 2 * 8192**3 / gpu_seconds(lambda: a @ b, reps=10)
-    del a, b
+    bw, flops = copy_bandwidth(dev), matmul_rate(dev)
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
           f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import gpu_seconds, print_kernel_table  # noqa: E402
+from gpu_timing import gpu_seconds, matmul_rate, print_kernel_table  # noqa: E402
 from shapes import shape  # noqa: E402
 
 from strata.kernels.attention import prefill_attention_triton  # noqa: E402
@@ -32,19 +32,6 @@ from strata.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_chunke
 from strata.kernels.moe import PROMPT_TILES, fused_experts_triton, route_triton  # noqa: E402
 from strata.model.random_weights import random_stage_weights  # noqa: E402
 from strata.runtime.generate import Engine  # noqa: E402
-
-
-def matmul_rate(device: str, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * n**3 / (time.perf_counter() - start)
 
 
 def prompt_flops(spec, tokens: int) -> float:
