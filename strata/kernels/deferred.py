@@ -46,7 +46,7 @@ class SplitSum:
         return self.parts.shape[0]
 
     def stride(self, dim: int) -> int:
-        return self.parts.stride(dim + 1 if dim >= 0 else dim)
+        return self.parts.stride(_after_chunks(dim))
 
     def dim(self) -> int:
         return self.parts.dim() - 1

@@ -197,6 +197,17 @@ def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, s
 
 
 @triton.jit
+def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
+    """Where expert i_e's weights start: in the routed experts' [E, ...] tensor, or the shared expert's own when
+    SHARED and i_e is E (the shared pair's id)."""
+    p_base = p_w + i_e.to(tl.int64) * s_we
+    if SHARED:
+        if i_e == E:
+            p_base = p_sw
+    return p_base
+
+
+@triton.jit
 def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
@@ -211,11 +222,7 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_w
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    p_base = p_w + i_e.to(tl.int64) * s_we
-    if SHARED:
-        if i_e == E:
-            p_base = p_sw
-    p_gate = p_base + o_n[None, :] * s_wn  # [1, BN]
+    p_gate = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
     p_up = p_gate + I * s_wn
     b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -247,11 +254,7 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, P, E, H, I, s_w
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    p_base = p_w + i_e.to(tl.int64) * s_we
-    if SHARED:
-        if i_e == E:
-            p_base = p_sw
-    p_down = p_base + o_n[None, :] * s_wn  # [1, BN]
+    p_down = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)

@@ -18,7 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
-from strata.kernels.rmsnorm import rms_norm_triton
+from strata.kernels.rmsnorm import norm_warps, rms_norm_triton
 from strata.kernels.rope import apply_rope_triton
 
 
@@ -98,8 +98,9 @@ def _qk_prep_kernel(
 
 def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids):
     """`qk_prep_reference` in one launch. q: [R, H, D], k, v: [R, Hkv, D] (any row and head strides, unit last
-    stride; or all three views of one `SplitSum`, whose chunks are added as they are loaded); q_norm, k_norm: [D] float32 or None (no norm); positions, seq_ids: [R] int32/int64; inv_freq:
-    [rotary_dim / 2] float32; k_pool, v_pool: [S, cells, Hkv, D] contiguous. Returns q rotated, [R, H, D]."""
+    stride; or all three views of one `SplitSum`, whose chunks are added as they are loaded); q_norm, k_norm: [D]
+    float32 or None (no norm); positions, seq_ids: [R] int32/int64; inv_freq: [rotary_dim / 2] float32; k_pool,
+    v_pool: [S, cells, Hkv, D] contiguous. Returns q rotated, [R, H, D]."""
     r, h, d = q.shape
     hkv = k.shape[1]
     half = rotary_dim // 2
@@ -117,9 +118,10 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             h, hkv, d, half, eps, s_chunk,
-            SPLIT=split, QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d), BLOCK_HALF=triton.next_power_of_2(half),
+            SPLIT=split, QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
-            num_warps=min(16, max(1, triton.next_power_of_2(d) // 512)),  # the norm kernel's: its sum order
+            num_warps=norm_warps(triton.next_power_of_2(d)),  # the norm kernel's: its sum order
             **pdl(p_q),
         )
     return q_out

@@ -112,8 +112,10 @@ def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return t, t.stride(0), t.stride(1) if t.dim() == 3 else 0
 
 
-def _num_warps(block: int) -> int:
-    return min(16, max(1, block // 512))  # a row's sum order depends on it: one rule for every norm kernel
+def norm_warps(block: int) -> int:
+    """Warps of a norm over a block-wide row vector. A row's sum order depends on it: every kernel that must match
+    the norm kernel's bits (`qk_prep`'s q/k norms) takes its warps from here."""
+    return min(16, max(1, block // 512))
 
 
 def add_norm_warps(block: int) -> int:
@@ -136,7 +138,7 @@ def _launch_rms_norm(x, weight, eps, gate=None):
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0], heads)](
             x, gate, weight.contiguous(), out, sxr, sxh, sgr, sgh, d, eps,
-            BLOCK=block, GATED=gate is not None, num_warps=_num_warps(block), **pdl(x)
+            BLOCK=block, GATED=gate is not None, num_warps=norm_warps(block), **pdl(x)
         )
     return out
 
