@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import copy_bandwidth, gpu_seconds, matmul_rate  # noqa: E402
+from gpu_timing import copy_bandwidth, gpu_seconds, kernel_seconds, matmul_rate  # noqa: E402
 from shapes import shape  # noqa: E402
 
 from strata.kernels.moe import DECODE_TILES, PROMPT_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
@@ -41,26 +42,21 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
 ]
-PROMPT_CANDIDATES = [
-    PROMPT_TILES,  # the one in use: 128, 128, 64, 8 warps, 3 stages, down products 256 wide
-    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512),  # the one before
-    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, combine_n=512),
-    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3, combine_n=512),
-    ExpertTiles(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, combine_n=512),
-    ExpertTiles(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4, combine_n=512),
-    ExpertTiles(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, combine_n=512),
-    ExpertTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, combine_n=512),
-    ExpertTiles(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3, combine_n=512),
-    ExpertTiles(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=2, combine_n=512),
-    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=64, down_k=128),
-    ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=128,
-                down_k=128),
+PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/PERFORMANCE.md)
+    PROMPT_TILES,  # the one in use: 128, 128, 64, 8 warps, 3 stages, down 256 wide walked by 2 programs/SM, pairs bf16
+    replace(PROMPT_TILES, down_persistent=0),  # the one before: one program per down tile
+    replace(PROMPT_TILES, down_persistent=0, round_pairs=False),  # and before that: pairs in float32
+    replace(PROMPT_TILES, persistent=2),  # the gate_up products walked too
+    replace(PROMPT_TILES, down_persistent=1),
 ]
 
 
 def _label(t: ExpertTiles) -> str:
     down = f" down {t.down_n}x{t.down_k or t.block_k}" if t.down_n else ""
-    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}"
+    down_walk = t.persistent if t.down_persistent is None else t.down_persistent
+    walk = f" persistent {t.persistent}/{down_walk}" if t.persistent or down_walk else ""
+    pairs = " bf16 pairs" if t.round_pairs else ""
+    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}{walk}{pairs}"
 
 
 def main() -> None:
@@ -78,7 +74,8 @@ def main() -> None:
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
           f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>44} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8} {'of floor':>9}")
+    print(f"{'rows':>4} {'tiles (m, n, k, warps, stages)':>64} {'us':>8} {'floor us':>9} {'TB/s':>6} {'of copy':>8} "
+          f"{'of floor':>9} {'gate_up us':>10} {'down us':>8} {'others us':>9}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(rows, h, device=dev, dtype=dt)
         weights, ids = route_triton(torch.randn(rows, m.num_experts, device=dev), m.top_k, True)
@@ -89,12 +86,15 @@ def main() -> None:
                 sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20,
                                   graph=not args.prompt)
             except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
-                print(f"{rows:4d} {_label(t):>44} failed: "
+                print(f"{rows:4d} {_label(t):>64} failed: "
                       f"{type(e).__name__}")
                 continue
             tb = distinct * per_expert / sec / 1e12
-            print(f"{rows:4d} {_label(t):>44} "
-                  f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%} {floor / sec:9.0%}")
+            parts = kernel_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t))
+            gu, dn = parts.pop("_gate_up_kernel", 0.0), parts.pop("_down_kernel", 0.0)
+            print(f"{rows:4d} {_label(t):>64} "
+                  f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%} {floor / sec:9.0%} "
+                  f"{gu * 1e6:10.1f} {dn * 1e6:8.1f} {sum(parts.values()) * 1e6:9.1f}")
 
 
 if __name__ == "__main__":

@@ -93,10 +93,13 @@ def layer_parts(spec, tokens: int, rate: float) -> None:
         print(f"\nGated DeltaNet prefill, Triton against the float32 torch reference at {tokens} rows: relative error "
               f"{rel(got, want):.2e} (output), {rel(got_state, want_state):.2e} (state)")
         chunks = tokens // 64
+        rule_flops = 2 * g.num_v_heads * chunks * (64 * 64 * (g.k_head_dim + g.v_head_dim) * 2
+                                                   + 64 * g.k_head_dim * g.v_head_dim * 4)
         parts.append(("Gated DeltaNet chunked rule (Triton)",
-                      lambda: gated_delta_rule_chunked_triton(gq, gk, gv, decay, beta, state),
-                      2 * g.num_v_heads * chunks * (64 * 64 * (g.k_head_dim + g.v_head_dim) * 2
-                                                    + 64 * g.k_head_dim * g.v_head_dim * 4)))
+                      lambda: gated_delta_rule_chunked_triton(gq, gk, gv, decay, beta, state), rule_flops))
+        parts.append(("  the same, chunk inverted by substitution",  # the fifth session's: 63 sequential steps
+                      lambda: gated_delta_rule_chunked_triton(gq, gk, gv, decay, beta, state, solve_block=64),
+                      rule_flops))
     print(f"\none layer's parts at {tokens} rows, alone (floor: the FLOPs at {rate / 1e12:.0f} TFLOP/s):")
     print(f"{'part':40} {'ms':>8} {'floor ms':>9} {'TFLOP/s':>8} {'of rate':>8}")
     for name, fn, flops in parts:
@@ -156,7 +159,7 @@ def main() -> None:
           f"{args.prompt_len / seconds:.0f} tokens/s, {flops / seconds / 1e12:.1f} TFLOP/s = "
           f"{flops / seconds / rate:.1%} of the matmul rate")
     check_against_float32(args.shape, ids[: args.check_len])
-    print_kernel_table(lambda: engine.run(engine.new_state(), ids), "GPU kernels of one prompt read", top=14)
+    print_kernel_table(lambda: engine.run(engine.new_state(), ids), "GPU kernels of one prompt read", top=30)
     layer_parts(spec, args.prompt_len, rate)
 
 

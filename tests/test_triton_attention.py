@@ -163,3 +163,17 @@ def test_prefill_matches_reference(case, dtype):
     actual = prefill_attention_triton(q, k, v, positions, d**-0.5)
     assert actual.dtype == dtype and actual.shape == (t, h, d)
     torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 4, 2), (32, 16, 2, 1), (64, 32, 8, 3)], ids=str)
+def test_prefill_tiles_match_reference(tiles):
+    """Other block shapes: rows whose blocks of cells are all seen whole (the unmasked steps), then the ones the
+    causal mask cuts, after 37 cells of earlier context."""
+    t, p0, h, hkv, d = 70, 37, 4, 2, 40
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(t, h, d, generator=gen)
+    k, v = torch.randn(p0 + t, hkv, d, generator=gen), torch.randn(p0 + t, hkv, d, generator=gen)
+    positions = torch.arange(p0, p0 + t, dtype=torch.int32)
+    expected = attention(q, k, v, positions, d**-0.5)
+    actual = prefill_attention_triton(q, k, v, positions, d**-0.5, tiles)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])

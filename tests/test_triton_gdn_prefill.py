@@ -122,13 +122,15 @@ def test_rule_from_zero_state_and_small_chunks(dtype):
     check_rule(inputs, dtype, chunk_size=16)
 
 
-def test_rule_matches_token_by_token_recurrence():
-    """Strong decay and near-duplicate keys with beta ~ 1 (the UT transform's hard case) against the recurrence."""
+@pytest.mark.parametrize("solve_block", [64, 16, 8])
+def test_rule_matches_token_by_token_recurrence(solve_block):
+    """Strong decay and near-duplicate keys with beta ~ 1 (the UT transform's hard case) against the recurrence,
+    the chunk's (I + A)^-1 by substitution over the whole chunk (64) or in diagonal blocks and products."""
     q, k, v, g, beta, state = make_inputs(100, 1, 2, 16, 24, torch.float32, seed=9)
     k = k[:1] + 0.01 * k
     for g_scale, b in ((20.0, beta), (1.0, torch.full_like(beta, 0.999))):
         expected, expected_state = gated_delta_rule_step(q, k, v, g * g_scale, b, state)
-        out, new_state = gated_delta_rule_chunked_triton(q, k, v, g * g_scale, b, state)
+        out, new_state = gated_delta_rule_chunked_triton(q, k, v, g * g_scale, b, state, solve_block=solve_block)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(new_state, expected_state, rtol=1e-4, atol=1e-4)
 

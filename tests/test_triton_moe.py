@@ -2,6 +2,7 @@
 interpreter, on small odd sizes; and each row's output bitwise the same alone or among 33 rows."""
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton or strata.kernels are imported
 
@@ -16,8 +17,8 @@ if not isinstance(tl.sum, InterpretedFunction):
                 "set it in tests/conftest.py or the environment", allow_module_level=True)
 
 import strata.kernels.moe as moe_module  # noqa: E402
-from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, expert_tiles, fused_experts_triton, moe,  # noqa: E402
-                                moe_triton, route, route_triton, routed_experts)
+from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, combine_triton, expert_tiles, fused_experts_triton,  # noqa: E402
+                                moe, moe_triton, route, route_triton, routed_experts)
 
 HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
 ROWS = [1, 3, 7, 33]
@@ -110,13 +111,17 @@ def test_route_keeps_ids_in_range_on_nan_logits():
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("rows", [5, 70], ids=lambda r: f"R={r}")
 def test_fused_experts_prompt_tiles_match_reference(rows, dtype):
-    """Prompt windows' tiles (64 pairs x 128 columns): tiles partly filled, several per expert at R=70."""
+    """Prompt windows' tiles (128 pairs x 128 columns): tiles partly filled, several per expert at R=70. Their
+    pair outputs are rounded to the activations' dtype (half the bytes of float32); decode windows keep float32."""
     w = make_weights(dtype)
     x = make_x(rows, dtype)
     weights, ids = routing(rows, 3)
     out = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], PROMPT_TILES)
     ref = routed_experts(x.float(), weights.to(dtype).float(), ids, w["gate_up"].float(), w["down"].float())
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    pairs = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], PROMPT_TILES, defer=True)
+    assert pairs.y.dtype == dtype and torch.equal(combine_triton(pairs), out)
+    assert fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], defer=True).y.dtype == torch.float32
     full = moe_triton(x, top_k=2, norm_topk=True, tiles=PROMPT_TILES, **make_weights(dtype))
     torch.testing.assert_close(full.float(), moe(x.float(), top_k=2, norm_topk=True,
                                                  **{k: _float(v) for k, v in make_weights(dtype).items()}), **TOL[dtype])
@@ -199,3 +204,19 @@ def test_fused_experts_skip_ids_past_the_experts_held(dtype, tiles):
         alone = fused_experts_triton(x[i : i + 1], weights[i : i + 1], ids_here[i : i + 1].int(), gu, down, t)
         assert torch.equal(alone[0], out[i]), f"row {i}"
     assert torch.equal(fused_experts_triton(x, weights, ids.int() * 0, gu[:0], down[:0]), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_persistent_expert_tiles_give_the_same_bits(dtype, per_sm):
+    """Programs that walk the used tiles (ExpertTiles.persistent) compute every tile as one program per tile does:
+    the same pair outputs bit for bit, whatever the number of programs (4 multiprocessors off the GPU: 4 or 8
+    programs for some twenty tiles here, so each program takes several)."""
+    w = make_weights(dtype)
+    x = make_x(70, dtype)
+    weights, ids = routing(70, 3)
+    tiles = replace(PROMPT_TILES, block_m=32, block_n=16, block_k=16, down_n=16, persistent=0, down_persistent=0)
+    want = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], tiles, defer=True)
+    walked = replace(tiles, persistent=per_sm, down_persistent=None)  # both products walked
+    got = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], walked, defer=True)
+    assert torch.equal(got.y, want.y)

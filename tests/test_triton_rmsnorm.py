@@ -90,3 +90,16 @@ def test_row_invariance(shape, dtype):
         if full["gated"] is not None:
             alone = rmsnorm.gated_rms_norm_triton(x[i : i + 1], other[i : i + 1], w, EPS)
             assert torch.equal(alone, full["gated"][i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prompt_rows_take_several_heads_per_program_with_the_same_bits(dtype):
+    """70 rows of 5 heads: prompt-sized, so each program walks its row's heads in turn; every head equals its
+    norm computed alone (one head per program), for the plain and gated norms."""
+    x, gate, w = make_inputs((70, 5, 24), dtype, seed=2)
+    assert rmsnorm.heads_per_program(70, 5, 32) > 1 and rmsnorm.heads_per_program(1, 5, 32) == 1
+    plain, gated = rmsnorm.rms_norm_triton(x, w, EPS), rmsnorm.gated_rms_norm_triton(x, gate, w, EPS)
+    torch.testing.assert_close(gated, rmsnorm.gated_rms_norm(x, gate, w, EPS), **_tol(dtype))
+    for i in (0, 33, 69):
+        assert torch.equal(rmsnorm.rms_norm_triton(x[i : i + 1], w, EPS), plain[i : i + 1])
+        assert torch.equal(rmsnorm.gated_rms_norm_triton(x[i : i + 1], gate[i : i + 1], w, EPS), gated[i : i + 1])

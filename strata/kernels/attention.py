@@ -259,8 +259,9 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (BLOCK_M rows, query head); cells up to the block's highest position."""
-    i_m = tl.program_id(0)
+    """One program per (BLOCK_M rows, query head), the blocks with the most cells first (they take longest);
+    cells up to the block's highest position: first the blocks every row sees whole (no mask), then the rest."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
     i_hkv = i_h // G
     offs_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,6 +271,7 @@ def _prefill_kernel(
     mask_d = offs_d < D
     b_pos = tl.load(positions + offs_m, mask=mask_m, other=-1).to(tl.int32)  # [BLOCK_M]
     hi = tl.max(b_pos, 0) + 1
+    seen_by_all = (tl.min(tl.where(mask_m, b_pos, hi), 0) + 1) // BLOCK_N * BLOCK_N  # cells every row sees
 
     p_q = q + offs_m[:, None] * s_qt + i_h * s_qh + offs_d[None, :] * s_qd
     b_q = tl.load(p_q, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -279,7 +281,18 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(0, seen_by_all, BLOCK_N):
+        cells = start + offs_n  # [BLOCK_N]
+        b_k = tl.load(p_k0 + cells[None, :] * s_kl + offs_d[:, None] * s_kd, mask=mask_d[:, None], other=0.0)
+        b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_v0 + cells[:, None] * s_vl + offs_d[None, :] * s_vd, mask=mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    for start in range(seen_by_all, hi, BLOCK_N):
         cells = start + offs_n  # [BLOCK_N]
         mask_n = cells < hi
         p_k = p_k0 + cells[None, :] * s_kl + offs_d[:, None] * s_kd
@@ -300,11 +313,22 @@ def _prefill_kernel(
     tl.store(p_o, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def prefill_tiles(d: int) -> tuple[int, int, int, int]:
+    """(rows per block, cells per step, warps, stages) of the prompt attention for heads `d` wide."""
+    return PREFILL_TILES_WIDE if _block_d(d) > 128 else PREFILL_TILES
+
+
+PREFILL_TILES = (64, 64, 4, 3)
+PREFILL_TILES_WIDE = (64, 32, 8, 3)  # heads over 128 wide (Qwen3-Next's 256)
+
+
 def prefill_attention_triton(
-    q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, positions: torch.Tensor, scale: float,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`attention` (rows of one sequence over its cells [L, Hkv, D]) flash-attention style.
-    Returns [T, H, D] in q's dtype."""
+    Returns [T, H, D] in q's dtype. `tiles`: (rows per block, cells per step, warps, stages), if not
+    `prefill_tiles(D)`; a row's result depends on them."""
     t, h, d = q.shape
     hkv = k_cells.shape[1]
     assert k_cells.shape == v_cells.shape and k_cells.shape[2] == d and h % hkv == 0, (q.shape, k_cells.shape)
@@ -312,13 +336,12 @@ def prefill_attention_triton(
     out = torch.empty_like(q)  # [T, H, D]
     if t == 0:
         return out
-    block_d = _block_d(d)
-    block_m, block_n, warps = (64, 32, 8) if block_d > 128 else (64, 64, 4)
+    block_m, block_n, warps, stages = tiles or prefill_tiles(d)
     _prefill_kernel[(triton.cdiv(t, block_m), h)](
         q, k_cells, v_cells, positions, out,
         scale * LOG2E, t,
         *q.stride(), *k_cells.stride(), *v_cells.stride(), *out.stride(),
-        G=h // hkv, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=warps,
+        G=h // hkv, D=d, BLOCK_M=block_m, BLOCK_D=_block_d(d), BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out

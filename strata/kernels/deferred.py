@@ -67,7 +67,8 @@ def _after_chunks(dim: int) -> int:
 
 @dataclass(frozen=True)
 class PairSum:
-    """The routed experts' outputs of R rows, k pairs each: y [R * k, H] float32 (route weight applied), ids
+    """The routed experts' outputs of R rows, k pairs each: y [R * k, H] (route weight applied; float32, or
+    rounded to `dtype` in prompt windows: `ExpertTiles.round_pairs`; added in float32 either way), ids
     [R, k] (ids >= num_experts add nothing: not held here), plus the shared expert's output `shared` [R, H] and
     its gate logit `shared_gate` [R, 1] (either may be None), tensors or `SplitSum`s in `dtype`."""
 

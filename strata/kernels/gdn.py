@@ -247,6 +247,8 @@ def gdn_decode_triton(
 CONV_PREFILL_BLOCK_T = 32
 CONV_PREFILL_BLOCK_C = 128
 PREP_MAX_BLOCK_DV = 64  # Dv block of the per-chunk pass (u = T @ beta v, Dv walked inside the program)
+SOLVE_BLOCK = 16  # rows of the diagonal blocks the per-chunk pass inverts by substitution (the chunk size: all)
+PREP_WARPS = 2  # warps of the per-chunk pass (its substitution steps each reduce across the warps)
 STATE_MAX_BLOCK_DV = 32  # Dv block of the sequential pass: Hv * Dv/32 programs (128 for 32 heads of 128)
 # Compiled offline for sm_90 (Triton 3.8, Dk = Dv = 128, chunk 64, bfloat16): the per-chunk pass spills at 4 warps,
 # not at 8; the sequential pass uses 64 KiB of shared memory and no spills at 4 warps (float32 inputs: IEEE
@@ -323,12 +325,13 @@ def _gdn_chunk_prep_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_w, p_u, p_qd, p_kd, p_aqk, p_gl,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
 ):
     """One program per (chunk, value head), all independent: everything of a chunk that does not need the state.
 
     With gc the within-chunk cumsum of g, gl = gc[-1], and A = strict_lower(beta_i k_i.k_j exp(gc_i - gc_j)),
-    it inverts (I + A) by forward substitution (float32) and writes, for the sequential pass:
+    it inverts (I + A) (float32; blocks of SUB rows by forward substitution, then products) and writes, for the
+    sequential pass:
     w = (I+A)^-1 (beta k exp(gc)), u = (I+A)^-1 (beta v), qd = q exp(gc), kd = k exp(gl - gc),
     aqk = lower(q_i.k_j exp(gc_i - gc_j)) and gl. q, k are L2-normalised here (q also scaled by DK**-0.5).
     """
@@ -371,13 +374,26 @@ def _gdn_chunk_prep_kernel(
              mask=m_k[None, :])
     tl.store(p_gl + i_h * num_chunks + i_n, b_gl)
 
-    # (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] row j (rows j < i already final).
-    b_inv = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)  # [BT, BT] float32
-    num_valid = tl.minimum(T - i_n * BT, BT)  # rows past T are e_i already (their A rows are 0)
-    for i in range(1, num_valid):
-        m_i = o_r[:, None] == i
-        b_ai = tl.sum(tl.where(m_i, b_a, 0.0), axis=0)  # [BT]: A[i, :]
-        b_inv = tl.where(m_i, b_inv - tl.sum(b_ai[:, None] * b_inv, axis=0)[None, :], b_inv)
+    # (I + A)^-1 in blocks of SUB rows. First the diagonal blocks' inverses D, by forward substitution on all blocks
+    # at once (row i of each block = e_i - sum_{j<i} A[i, j] row j; the blocks' columns are disjoint, so one
+    # reduction serves them all): SUB - 1 sequential steps instead of BT - 1. Then, with N the strictly
+    # block-lower part of A and M = D N (nilpotent: M^(BT/SUB) = 0), (I + A)^-1 = (I + M)^-1 D
+    # = (I - M (I - M (... (I - M)))) D: BT/SUB - 1 products of [BT, BT] tiles on the tensor cores.
+    o_blk = o_r // SUB
+    m_block = o_blk[:, None] == o_blk[None, :]  # [BT, BT]: the same diagonal block
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)  # [BT, BT] float32
+    b_ad = tl.where(m_block, b_a, 0.0)
+    b_inv = b_eye
+    for i in range(1, SUB):
+        m_i = (o_r % SUB)[:, None] == i  # row i of every block
+        b_ai = tl.sum(tl.where(m_i, b_ad, 0.0), axis=0)  # [BT]: each block's row i, in its own block's columns
+        b_inv = tl.where(m_i & m_block, b_inv - tl.sum(b_ai[:, None] * b_inv, axis=0)[None, :], b_inv)
+    if SUB < BT:
+        b_m = tl.dot(b_inv, tl.where(o_blk[:, None] > o_blk[None, :], b_a, 0.0), input_precision=PRECISION)
+        b_x = b_eye - b_m
+        for _ in tl.static_range(BT // SUB - 2):
+            b_x = b_eye - tl.dot(b_m, b_x, input_precision=PRECISION)
+        b_inv = tl.dot(b_x, b_inv, input_precision=PRECISION)
     b_invc = b_inv.to(p_w.dtype.element_ty)
 
     b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
@@ -432,12 +448,15 @@ def _gdn_chunk_state_kernel(
     tl.store(p_s + o_s, b_s, mask=m_s)
 
 
-def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 64, solve_block: int = SOLVE_BLOCK,
+                                    prep_warps: int = PREP_WARPS) -> tuple[Tensor, Tensor]:
     """`gated_delta_rule_chunked` on Triton: same shapes, dtypes and results (within float tolerance).
 
     Two kernels. `_gdn_chunk_prep_kernel`, one program per (chunk, value head), all in parallel: the L2 norm
-    and scaling of q/k, the within-chunk cumsum of g, the UT transform (I + A)^-1 by forward substitution in
-    float32, and the chunk's w, u, decayed q/k and masked q k^T into scratch buffers. `_gdn_chunk_state_kernel`,
+    and scaling of q/k, the within-chunk cumsum of g, the UT transform (I + A)^-1 in float32 (diagonal blocks of
+    `solve_block` rows by forward substitution, the rest by products of [chunk, chunk] tiles: tf32 tensor cores
+    for 16-bit inputs, whose w and u round the inverse to 16 bits anyway), and the chunk's w, u, decayed q/k and
+    masked q k^T into scratch buffers. `_gdn_chunk_state_kernel`,
     one program per (value head, 32 Dv columns), walks the chunks in order on a float32 state tile: four tl.dot
     per chunk on [chunk, D] tiles. Dots take operands in the input dtype (float16/bfloat16: tensor cores, float32
     accumulation; float32 inputs: IEEE float32 dots); the state stays float32 between chunks.
@@ -476,7 +495,7 @@ def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 6
         g.stride(0), beta.stride(0),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BT=chunk_size,
         BLOCK_DK=block_dk, BLOCK_DV=min(dv_pow2, PREP_MAX_BLOCK_DV), PRECISION=precision,
-        num_warps=2,  # its 63 substitution steps each reduce across the warps: 2 beat 1, 4 and 8 (H200, PERFORMANCE.md)
+        SUB=min(solve_block, chunk_size), num_warps=prep_warps,
     )  # fmt: skip
     block_dv = min(dv_pow2, STATE_MAX_BLOCK_DV)
     _gdn_chunk_state_kernel[(num_v_heads, triton.cdiv(head_v_dim, block_dv))](

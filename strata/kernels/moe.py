@@ -6,6 +6,7 @@ the shapes, and give each row the same bits whatever other rows share the call."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -104,6 +105,9 @@ class ExpertTiles:
     combine_n: int = BLOCK_N  # columns per program of the combine (a row's sum order does not depend on it)
     down_n: int | None = None  # the down projection's columns and reduction step per tile, if not block_n/k
     down_k: int | None = None
+    round_pairs: bool = False  # each pair's output rounded to the activations' dtype (else kept in float32)
+    persistent: int = 0  # programs per multiprocessor that walk the used tiles (0: one program per tile)
+    down_persistent: int | None = None  # the same for the down products, if not `persistent`
 
 
 # Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
@@ -112,8 +116,14 @@ class ExpertTiles:
 DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64, down_n=64)
 # Prompt windows: bench/moe_tiles.py --prompt on an H200 (4,096 rows, eager): of twelve candidates, 128 x 128 x 64
 # tiles on 8 warps with down products 256 columns wide were fastest at both shapes (Qwen3-Next experts 1,459 us, 52 %
-# of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session.
-PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=256)
+# of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session. A prompt's pair
+# outputs (40,960 x 2,048 for a 4,096-token Qwen3-Next prompt) are written and read back once each: rounded to
+# bfloat16 they move half the bytes, and torch's reference rounds each expert's output there too. Sixth session,
+# same command: pairs rounded 1,432 -> 1,330 us (Qwen3-Next), 1,143 -> 1,028 (30B); the down products walked by 2
+# programs per multiprocessor (a down tile is 8 steps deep: one program per tile spends much of it starting and
+# storing) 487 -> 421 us (Qwen3-Next), 335 -> 330 (30B); gate_up walked the same way: 657 -> 643 and 465 -> 526.
+PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=256,
+                           round_pairs=True, down_persistent=2)
 
 
 @triton.jit
@@ -208,15 +218,11 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                    SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
-    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile of one expert's pairs."""
-    wait_for_prior(PDL)
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
-    i_e = tl.load(p_expert + i_b)
-    if i_e >= E + SHARED:  # past the last used block (expert E: the shared one, when SHARED)
-        return
+def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                  SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
+    tile i_n."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
@@ -242,14 +248,32 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, P, E, H, I, s_xr, s_w
 
 
 @triton.jit
-def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, P, E, H, I, s_we, s_wn, s_wk,
-                 SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile of one expert's pairs."""
+def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                    SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+    """The experts' gate/up products: one tile per program on a [tiles, column tiles] grid, or PERSISTENT: each
+    program walks the used tiles (p_used) with a stride of the grid, one loop the compiler pipelines across
+    tiles, so a tile's weight loads start while the one before finishes."""
     wait_for_prior(PDL)
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
-    i_e = tl.load(p_expert + i_b)
-    if i_e >= E + SHARED:
-        return
+    if PERSISTENT:
+        n_tiles = tl.cdiv(I, BLOCK_N)
+        for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
+            i_b = t // n_tiles
+            _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
+                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        i_b = tl.program_id(0)
+        i_e = tl.load(p_expert + i_b)
+        if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
+            _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+               SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
+    i_n."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -264,8 +288,28 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, P, E, H, I, s_w
         b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
         b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
     b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
-    tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y * b_route[:, None],
-             mask=m_m[:, None] & m_n[None, :])
+    b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
+    tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H, I, s_we, s_wn, s_wk,
+                 SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+    """The experts' down products, on a grid like `_gate_up_kernel`'s (one tile per program, or PERSISTENT)."""
+    wait_for_prior(PDL)
+    if PERSISTENT:
+        n_tiles = tl.cdiv(H, BLOCK_N)
+        for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
+            i_b = t // n_tiles
+            _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
+                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        i_b = tl.program_id(0)
+        i_e = tl.load(p_expert + i_b)
+        if i_e < E + SHARED:
+            _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -359,10 +403,10 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
                                    PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024,
                                    num_warps=8 if block_p >= 1024 else 4, **pdl(ids))
         return pair_of_slot, expert_of_block
-    flat = ids.reshape(-1).long()  # [P]
+    flat = ids.reshape(-1).to(torch.int32)  # [P] (32-bit keys: half the radix sort's passes of 64-bit ones)
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
     sorted_e = flat[order]  # [P]
-    experts = torch.arange(E, device=dev)  # [E]
+    experts = torch.arange(E, device=dev, dtype=torch.int32)  # [E]
     starts = torch.searchsorted(sorted_e, experts)  # [E] (bincount would sync on CUDA)
     counts = torch.searchsorted(sorted_e, experts, right=True) - starts  # [E]
     blocks = (counts + bm - 1) // bm  # [E]
@@ -374,6 +418,16 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
     pair_of_slot[slot] = order.int()
     expert_of_block = torch.searchsorted(block_ends, torch.arange(max_blocks, device=dev), right=True).int()
     return pair_of_slot, expert_of_block
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (4 off the GPU, where Triton's interpreter runs the kernels)."""
+    return _multiprocessors(device) if device.type == "cuda" else 4
 
 
 def shared_fits(shared: tuple[torch.Tensor, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -411,16 +465,27 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     pair_of_slot, expert_of_block = expert_tiles(ids, held, bm)
     max_blocks = expert_of_block.shape[0]
 
+    down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
              num_stages=tiles.num_stages, SHARED=shared is not None)
+    used = expert_of_block  # (a stand-in pointer when no kernel walks the tiles)
+    if tiles.persistent or down_persistent:
+        used = (expert_of_block < held).sum(dtype=torch.int32).reshape(1)  # the tiles in use
+
+    def grid(columns: int, block_n: int, per_sm: int) -> tuple[int, ...]:
+        if per_sm:
+            return (min(max_blocks * triton.cdiv(columns, block_n), per_sm * multiprocessors(dev)),)
+        return (max_blocks, triton.cdiv(columns, block_n))
+
     h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
-    _gate_up_kernel[(max_blocks, triton.cdiv(I, tiles.block_n))](
-        x, gate_up, s_gate_up, h, pair_of_slot, expert_of_block, P, E, H, I, x.stride(0), *gate_up.stride(),
-        K_TOP=k, **t, **pdl(x))
-    y = torch.empty(P, H, dtype=torch.float32, device=dev)  # [P, H]
-    t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k)
-    _down_kernel[(max_blocks, triton.cdiv(H, t_down["BLOCK_N"]))](
-        h, down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, P, E, H, I,
+    _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
+        x, gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0), *gate_up.stride(),
+        K_TOP=k, PERSISTENT=tiles.persistent > 0, **t, **pdl(x))
+    y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
+    t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
+                  PERSISTENT=down_persistent > 0)
+    _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
+        h, down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, used, P, E, H, I,
         *down.stride(), **t_down, **pdl(x))
     pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)

@@ -61,20 +61,23 @@ def _normalize(b_x, p_w, o_d, m_d, D, eps):
 def _rms_norm_kernel(
     p_x, p_gate, p_w, p_out,
     stride_xr, stride_xh, stride_gr, stride_gh,
-    D, eps,
-    BLOCK: tl.constexpr, GATED: tl.constexpr,
+    H, D, eps,
+    BLOCK: tl.constexpr, GATED: tl.constexpr, HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Row i_r's head vectors HEADS * i_h' .. + HEADS - 1, one after the other, each as a program of its own would."""
     wait_for_prior(PDL)
-    i_r, i_h, H = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK)
-    m_d = o_d < D
-    b_x = tl.load(p_x + i_r * stride_xr + i_h * stride_xh + o_d, mask=m_d, other=0.0)
-    b_y = _normalize(b_x, p_w, o_d, m_d, D, eps)
-    if GATED:
-        b_g = tl.load(p_gate + i_r * stride_gr + i_h * stride_gh + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
-    tl.store(p_out + (i_r * H + i_h) * D + o_d, b_y.to(p_out.dtype.element_ty), mask=m_d)
+    for j in tl.static_range(HEADS):
+        i_h = tl.program_id(1) * HEADS + j
+        m_d = (o_d < D) & (i_h < H)
+        b_x = tl.load(p_x + i_r * stride_xr + i_h * stride_xh + o_d, mask=m_d, other=0.0)
+        b_y = _normalize(b_x, p_w, o_d, o_d < D, D, eps)
+        if GATED:
+            b_g = tl.load(p_gate + i_r * stride_gr + i_h * stride_gh + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
+        tl.store(p_out + (i_r * H + i_h) * D + o_d, b_y.to(p_out.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -124,6 +127,13 @@ def add_norm_warps(block: int) -> int:
     return min(16, max(4, block // 256))
 
 
+def heads_per_program(rows: int, heads: int, block: int) -> int:
+    """Head vectors one norm program takes in turn: one for decode windows (few rows, every head its own
+    program), up to 4,096 elements' worth for prompt windows (a [4,096, 32, 128] GDN output is 131,072 programs
+    otherwise, each too short to cover its start). A head's arithmetic is the same either way."""
+    return 1 if rows < 64 else min(heads, max(1, 4096 // block))
+
+
 def _launch_rms_norm(x, weight, eps, gate=None):
     d = x.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
@@ -136,9 +146,10 @@ def _launch_rms_norm(x, weight, eps, gate=None):
         gate, sgr, sgh = _row_vectors(gate)
     block = triton.next_power_of_2(d)
     if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0], heads)](
-            x, gate, weight.contiguous(), out, sxr, sxh, sgr, sgh, d, eps,
-            BLOCK=block, GATED=gate is not None, num_warps=norm_warps(block), **pdl(x)
+        per = heads_per_program(x.shape[0], heads, block)
+        _rms_norm_kernel[(x.shape[0], triton.cdiv(heads, per))](
+            x, gate, weight.contiguous(), out, sxr, sxh, sgr, sgh, heads, d, eps,
+            BLOCK=block, GATED=gate is not None, HEADS=per, num_warps=norm_warps(block), **pdl(x)
         )
     return out
 

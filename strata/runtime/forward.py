@@ -9,8 +9,10 @@ from strata.experts.block import pooled_moe
 from strata.experts.pool import stage_pools
 from strata.kernels.attention import attention
 from strata.kernels.invariant import in_row_blocks, plain
+from strata.kernels.deferred import PairSum
+from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
-from strata.kernels.moe import moe, swiglu
+from strata.kernels.moe import combine_triton, moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from strata.model.spec import AttentionSpec, ModelSpec
@@ -35,6 +37,9 @@ class Forward:
         self.pools = stage_pools(weights.offloaded, spec.moe.num_experts) if weights.offloaded else {}  # CPU experts
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
+        self.add_norm = None  # residual add + norm in one pass for prompt windows (None: the add, then self.norm)
+        self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
+        self.gdn_gates = gdn_gates  # a GDN block's decay and beta from its projections
         self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
         self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
         self.prompt_gdn = None  # (conv, chunked delta rule) on Triton for prompt windows (None: the torch references)
@@ -45,10 +50,14 @@ class Forward:
             from strata.kernels.attention import prefill_attention_triton
 
             self.attend = prefill_attention_triton
-            from strata.kernels.rmsnorm import rms_norm_triton
+            from strata.kernels.elementwise import gdn_gates_triton
+            from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
             from strata.kernels.rope import apply_rope_triton
 
             self.norm = rms_norm_triton
+            self.add_norm = add_rms_norm_triton
+            self.gated_norm = gated_rms_norm_triton
+            self.gdn_gates = gdn_gates_triton
             self.rotate = apply_rope_triton
             from strata.kernels.gdn import causal_conv1d_triton, gated_delta_rule_chunked_triton
 
@@ -69,18 +78,26 @@ class Forward:
             turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         else:
             turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim)  # noqa: E731
-        eps = self.spec.rms_eps
         rows = _rows_for(window)
+        delta = None  # what the last block adds to the residual stream x, not added yet
         for i, w in self.weights.layers.items():
-            h = rows(self.norm, x, w["attn_norm"], eps)
+            h, x = self._add_norm(delta, x, w["attn_norm"], rows)
             if self.spec.layers[i].mixer == "attention":
-                h = self._attention(i, w, h, window, turn, rows)
+                delta = self._attention(i, w, h, window, turn, rows)
             else:
-                h = self._gdn(i, w, h, window, rows)
-            x = x + h
-            h = rows(self.norm, x, w["mlp_norm"], eps)
-            x = x + self._mlp(i, w, h, rows)
-        return x
+                delta = self._gdn(i, w, h, window, rows)
+            h, x = self._add_norm(delta, x, w["mlp_norm"], rows)
+            delta = self._mlp(i, w, h, rows)
+        return x if delta is None else x + _finished(delta)
+
+    def _add_norm(self, delta, x: torch.Tensor, weight: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta); delta None: nothing to add. Prompt windows on Triton add and norm in one
+        pass, finishing a block's deferred output (the MoE's pairs) as they load it."""
+        if delta is not None and self.add_norm is not None and rows is plain:
+            return self.add_norm(delta, x, weight, self.spec.rms_eps)
+        if delta is not None:
+            x = x + _finished(delta)
+        return rows(self.norm, x, weight, self.spec.rms_eps), x
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         rows = _rows_for(window)
@@ -128,9 +145,9 @@ class Forward:
         r = x.shape[0]
         proj = rows(F.linear, x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        beta = torch.sigmoid(b)
-        decay = w["neg_a"] * F.softplus(a.float() + w["dt_bias"])  # [R, Hv] log decay
-        out = torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
+        decay, beta = self.gdn_gates(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv]: log decay (float32), beta
+        out = None if len(window.segments) == 1 else \
+            torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
         prompt_gdn = self.prompt_gdn if rows is plain else None  # Triton in prompt windows
         conv = causal_conv1d if prompt_gdn is None else prompt_gdn[0]
         for seg in window.segments:
@@ -146,9 +163,13 @@ class Forward:
             rule = gated_delta_rule_step if n == 1 else gated_delta_rule_chunked
             if prompt_gdn is not None:
                 rule = prompt_gdn[1]  # any n, 1 included
-            out[seg_rows], new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
+            seg_out, new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
             state.recurrent[i].copy_(new_state)
-        out = gated_rms_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
+            if out is None:  # the window's one sequence: its output is the block's
+                out = seg_out
+            else:
+                out[seg_rows] = seg_out
+        out = self.gated_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
         return rows(F.linear, out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x: torch.Tensor, rows) -> torch.Tensor:
@@ -160,8 +181,13 @@ class Forward:
             return pooled_moe(x, w, m, self.pools[i], rows, "prompt" if self.prompt_moe is not None and rows is plain else "torch")
         args = (x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"))
         if self.prompt_moe is not None and rows is plain:  # a prompt window: no host sync, grouped GEMMs
-            return self.prompt_moe(*args)
+            return self.prompt_moe(*args, defer=True)  # its pairs are added by the next residual norm
         return moe(*args, rows)
+
+
+def _finished(delta) -> torch.Tensor:
+    """A block's output as a tensor (a deferred MoE output's pairs added, as its own combine kernel adds them)."""
+    return combine_triton(delta) if isinstance(delta, PairSum) else delta
 
 
 def _rows_for(window: Window):
