@@ -108,6 +108,7 @@ class ExpertTiles:
     round_pairs: bool = False  # each pair's output rounded to the activations' dtype (else kept in float32)
     persistent: int = 0  # programs per multiprocessor that walk the used tiles (0: one program per tile)
     down_persistent: int | None = None  # the same for the down products, if not `persistent`
+    down_stages: int | None = None  # the down products' pipeline stages, if not `num_stages`
 
 
 # Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
@@ -483,7 +484,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         K_TOP=k, PERSISTENT=tiles.persistent > 0, **t, **pdl(x))
     y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
-                  PERSISTENT=down_persistent > 0)
+                  PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages)
     _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
         h, down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, used, P, E, H, I,
         *down.stride(), **t_down, **pdl(x))
