@@ -43,11 +43,12 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
 ]
 PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/PERFORMANCE.md)
-    PROMPT_TILES,  # the one in use: 128, 128, 64, 8 warps, 3 stages, down 256 wide walked by 2 programs/SM, pairs bf16
-    replace(PROMPT_TILES, down_persistent=0),  # the one before: one program per down tile
-    replace(PROMPT_TILES, down_persistent=0, round_pairs=False),  # and before that: pairs in float32
-    replace(PROMPT_TILES, persistent=2),  # the gate_up products walked too
-    replace(PROMPT_TILES, down_persistent=1),
+    PROMPT_TILES,  # the one in use: weight tiles by tensor descriptors, gate_up 4 stages, down walked, pairs bf16
+    replace(PROMPT_TILES, tma=False, num_stages=3, down_stages=None, down_persistent=2),  # pointer loads
+    replace(PROMPT_TILES, tma=False, num_stages=3, down_stages=None, down_persistent=0),  # one program per tile
+    replace(PROMPT_TILES, tma=False, num_stages=3, down_stages=None, down_persistent=0, round_pairs=False),  # f32
+    replace(PROMPT_TILES, persistent=1),  # the gate_up products walked too
+    replace(PROMPT_TILES, down_persistent=2),
 ]
 
 
@@ -56,7 +57,9 @@ def _label(t: ExpertTiles) -> str:
     down_walk = t.persistent if t.down_persistent is None else t.down_persistent
     walk = f" persistent {t.persistent}/{down_walk}" if t.persistent or down_walk else ""
     pairs = " bf16 pairs" if t.round_pairs else ""
-    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}{walk}{pairs}"
+    tma = " tma" if t.tma else ""
+    down_stages = f" down stages {t.down_stages}" if t.down_stages else ""
+    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}{down_stages}{walk}{pairs}{tma}"
 
 
 def main() -> None:

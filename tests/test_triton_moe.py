@@ -220,3 +220,17 @@ def test_persistent_expert_tiles_give_the_same_bits(dtype, per_sm):
     walked = replace(tiles, persistent=per_sm, down_persistent=None)  # both products walked
     got = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], walked, defer=True)
     assert torch.equal(got.y, want.y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_weight_tiles_by_tensor_descriptors_give_the_same_bits(dtype):
+    """Weight tiles read through tensor descriptors (ExpertTiles.tma): the same products as pointer loads, bit
+    for bit, with column tiles that pass the end of an expert's rows (24 of 16 + 16; 40 of 3 x 16)."""
+    w = make_weights(dtype)
+    x = make_x(70, dtype)
+    weights, ids = routing(70, 3)
+    tiles = replace(PROMPT_TILES, block_m=32, block_n=16, block_k=16, down_n=16, persistent=0, down_persistent=0)
+    want = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], tiles, defer=True)
+    for t in (replace(tiles, tma=True), replace(tiles, tma=True, persistent=2, down_persistent=1)):
+        got = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], t, defer=True)
+        assert torch.equal(got.y, want.y)

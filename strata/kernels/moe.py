@@ -109,6 +109,7 @@ class ExpertTiles:
     persistent: int = 0  # programs per multiprocessor that walk the used tiles (0: one program per tile)
     down_persistent: int | None = None  # the same for the down products, if not `persistent`
     down_stages: int | None = None  # the down products' pipeline stages, if not `num_stages`
+    tma: bool = False  # weight tiles read by the copy engine (tensor descriptors); not with a shared pair
 
 
 # Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
@@ -123,8 +124,11 @@ DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num
 # same command: pairs rounded 1,432 -> 1,330 us (Qwen3-Next), 1,143 -> 1,028 (30B); the down products walked by 2
 # programs per multiprocessor (a down tile is 8 steps deep: one program per tile spends much of it starting and
 # storing) 487 -> 421 us (Qwen3-Next), 335 -> 330 (30B); gate_up walked the same way: 657 -> 643 and 465 -> 526.
-PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, combine_n=512, down_n=256,
-                           round_pairs=True, down_persistent=2)
+# Then the weight tiles read through tensor descriptors (the copy engine, no address math or masks in the
+# programs) with 4 stages for gate_up (the copy engine's tiles leave room for one more): gate_up 661 -> 608 us
+# (Qwen3-Next), 467 -> 420 (30B); down 402 -> 361 and 322 -> 271 with one program per multiprocessor.
+PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, combine_n=512, down_n=256,
+                           down_stages=3, round_pairs=True, down_persistent=1, tma=True)
 
 
 @triton.jit
@@ -221,28 +225,40 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 @triton.jit
 def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TMA: tl.constexpr):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
-    tile i_n."""
+    tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows, read by the copy engine (a
+    tile's columns past I read the next rows, whose products are not stored)."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    p_gate = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
-    p_up = p_gate + I * s_wn
     b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < H
-        b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                      other=0.0)  # [BM, BK]
-        m_w = m_k[:, None] & m_n[None, :]
-        b_wg = tl.load(p_gate + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
-        b_wu = tl.load(p_up + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
-        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision="ieee")
-        b_up = tl.dot(b_x, b_wu, b_up, input_precision="ieee")
+    if TMA:
+        r_gate = i_e * 2 * I + i_n * BLOCK_N  # the tile's first gate row of the [E * 2I, H] weights
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :],
+                          mask=m_m[:, None] & (o_k < H)[None, :], other=0.0)  # [BM, BK]
+            b_wg = p_w.load([r_gate, k0]).to(b_x.dtype)  # [BN, BK]
+            b_wu = p_w.load([r_gate + I, k0]).to(b_x.dtype)
+            b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision="ieee")
+            b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision="ieee")
+    else:
+        p_gate = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
+        p_up = p_gate + I * s_wn
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < H
+            b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :],
+                          mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            m_w = m_k[:, None] & m_n[None, :]
+            b_wg = tl.load(p_gate + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
+            b_wu = tl.load(p_up + o_k[:, None] * s_wk, mask=m_w, other=0.0).to(b_x.dtype)  # [BK, BN]
+            b_gate = tl.dot(b_x, b_wg, b_gate, input_precision="ieee")
+            b_up = tl.dot(b_x, b_wu, b_up, input_precision="ieee")
     b_h = b_gate * tl.sigmoid(b_gate) * b_up
     tl.store(p_h + b_pair[:, None].to(tl.int64) * I + o_n[None, :], b_h.to(p_h.dtype.element_ty),
              mask=m_m[:, None] & m_n[None, :])
@@ -251,7 +267,7 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, 
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     """The experts' gate/up products: one tile per program on a [tiles, column tiles] grid, or PERSISTENT: each
     program walks the used tiles (p_used) with a stride of the grid, one loop the compiler pipelines across
     tiles, so a tile's weight loads start while the one before finishes."""
@@ -261,33 +277,43 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
             _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
-                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K)
+                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
             _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K)
+                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
 def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
-               SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               TMA: tl.constexpr):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
-    i_n."""
+    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`)."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    p_down = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < I
-        b_h = tl.load(p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                      other=0.0)  # [BM, BK]
-        b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
-        b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
+    if TMA:
+        r_down = i_e * H + i_n * BLOCK_N
+        for k0 in range(0, I, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            b_h = tl.load(p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :],
+                          mask=m_m[:, None] & (o_k < I)[None, :], other=0.0)  # [BM, BK]
+            b_w = p_w.load([r_down, k0]).to(b_h.dtype)  # [BN, BK]
+            b_y = tl.dot(b_h, tl.trans(b_w), b_y, input_precision="ieee")
+    else:
+        p_down = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
+        for k0 in range(0, I, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < I
+            b_h = tl.load(p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                          other=0.0)  # [BM, BK]
+            b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
+            b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
     b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
     b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
     tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
@@ -296,7 +322,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
 @triton.jit
 def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H, I, s_we, s_wn, s_wk,
                  SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+                 PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     """The experts' down products, on a grid like `_gate_up_kernel`'s (one tile per program, or PERSISTENT)."""
     wait_for_prior(PDL)
     if PERSISTENT:
@@ -304,13 +330,13 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
             _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
-                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
+                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
             _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
-                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
+                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
@@ -478,16 +504,24 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
             return (min(max_blocks * triton.cdiv(columns, block_n), per_sm * multiprocessors(dev)),)
         return (max_blocks, triton.cdiv(columns, block_n))
 
-    h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
-    _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
-        x, gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0), *gate_up.stride(),
-        K_TOP=k, PERSISTENT=tiles.persistent > 0, **t, **pdl(x))
-    y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
                   PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages)
+    tma = tiles.tma and shared is None and gate_up.is_contiguous() and down.is_contiguous() \
+        and H * gate_up.element_size() % 16 == 0 and I * down.element_size() % 16 == 0  # descriptors' row rule
+    w_gate_up, w_down = gate_up, down
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_gate_up = TensorDescriptor.from_tensor(gate_up.view(E * 2 * I, H), [tiles.block_n, tiles.block_k])
+        w_down = TensorDescriptor.from_tensor(down.view(E * H, I), [t_down["BLOCK_N"], t_down["BLOCK_K"]])
+    h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
+    _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
+        x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0), *gate_up.stride(),
+        K_TOP=k, PERSISTENT=tiles.persistent > 0, TMA=tma, **t, **pdl(x))
+    y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
     _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
-        h, down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, used, P, E, H, I,
-        *down.stride(), **t_down, **pdl(x))
+        h, w_down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, used, P, E, H, I,
+        *down.stride(), TMA=tma, **t_down, **pdl(x))
     pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
