@@ -17,8 +17,8 @@ if not isinstance(tl.sum, InterpretedFunction):
                 "set it in tests/conftest.py or the environment", allow_module_level=True)
 
 import strata.kernels.moe as moe_module  # noqa: E402
-from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, combine_triton, expert_tiles, fused_experts_triton,  # noqa: E402
-                                moe, moe_triton, route, route_triton, routed_experts)
+from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, combine_triton, expert_tiles, expert_tiles_sorted,  # noqa: E402
+                                fused_experts_triton, moe, moe_triton, route, route_triton, routed_experts)
 
 HIDDEN, EXPERTS, INTER, SHARED = 40, 8, 24, 28
 ROWS = [1, 3, 7, 33]
@@ -87,17 +87,23 @@ def test_fused_experts_match_reference(rows, top_k, dtype):
 @pytest.mark.parametrize("rows, top_k, experts, bm", [(1, 8, 128, 16), (7, 3, 8, 16), (33, 2, 8, 16), (64, 10, 512, 16),
                                                       (70, 3, 8, 64), (5, 4, 16, 128), (400, 10, 512, 16)], ids=str)
 def test_expert_tiles_kernel_lays_pairs_out_like_the_sort(rows, top_k, experts, bm, monkeypatch):
-    """Decode windows lay the pairs out with one kernel, prompt windows with a device sort: the same layout,
-    so a row's bits do not depend on which one ran. Ids >= E (experts held elsewhere) are left out by both."""
+    """Decode windows lay the pairs out with one program, prompt windows with three kernels over chunks of the
+    pairs (here chunks of 1,024 and of 32): the layout of the device sort (`expert_tiles_sorted`), so a row's
+    bits do not depend on which one ran. Ids >= E (experts held elsewhere) are left out by all."""
     g = _gen(rows + experts)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)]).int()  # [R, k]
     ids[0, 0] = experts  # one pair whose expert is not held here
-    by_kernel = expert_tiles(ids, experts, bm)
+    want = expert_tiles_sorted(ids, experts, bm)
+    n = want[0].numel() - 1  # the last slot is a spare that no tile reads
+    layouts = {"one program": expert_tiles(ids, experts, bm)}
     monkeypatch.setattr(moe_module, "SMALL_P", 0)
-    by_sort = expert_tiles(ids, experts, bm)
-    n = by_sort[0].numel() - 1  # the last slot is a spare that no tile reads
-    assert torch.equal(by_kernel[0][:n], by_sort[0][:n])
-    assert torch.equal(by_kernel[1], by_sort[1])
+    layouts["chunks of 1,024"] = expert_tiles(ids, experts, bm)
+    monkeypatch.setattr(moe_module, "LAYOUT_CHUNK", 32)
+    layouts["chunks of 32"] = expert_tiles(ids, experts, bm)
+    for name, (pair_of_slot, expert_of_block, used) in layouts.items():
+        assert torch.equal(pair_of_slot[:n], want[0][:n]), name
+        assert torch.equal(expert_of_block, want[1]), name
+        assert used is None or used.item() == int((want[1] < experts).sum()), name
 
 
 def test_route_keeps_ids_in_range_on_nan_logits():

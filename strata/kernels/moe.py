@@ -410,27 +410,100 @@ def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, P, E, NUM_SLOTS, MA
     tl.store(p_expert + b_slot // BM, b_e, mask=m_held & (b_rank % BM == 0))
 
 
-SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one kernel, not a sort
+SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one program
+LAYOUT_CHUNK = 1024  # pairs per program of the prompt windows' layout
 
 
-def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32): the pairs
-    grouped by expert in tiles of `bm` (P in padding slots, E past the last used tile; ids >= E left out).
-    One launch for decode windows; a device sort for prompt windows. Both lay the pairs out identically."""
+@triton.jit
+def _tile_counts_kernel(p_ids, p_counts, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[c, e]: the pairs of chunk c whose expert is e (ids >= E counted in a bin no one reads)."""
+    i_c = tl.program_id(0)
+    o_q = i_c * CHUNK + tl.arange(0, CHUNK)
+    b_ids = tl.minimum(tl.load(p_ids + o_q, mask=o_q < P, other=E), E)
+    o_e = tl.arange(0, BLOCK_E)
+    tl.store(p_counts + i_c * E + o_e, tl.histogram(b_ids, BLOCK_E), mask=o_e < E)
+
+
+@triton.jit
+def _tile_offsets_kernel(p_counts, p_off, p_expert, p_used, E, NUM_CHUNKS, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program over the experts: each expert's tiles (as many as its pairs fill, in expert order), the tile
+    each starts at, p_expert for the used tiles, p_used = their number, and off[c, e] = the slot of the first of
+    chunk c's expert-e pairs minus their place in the chunk's sorted order (the pairs of experts below e)."""
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, NUM_CHUNKS):
+        b_total += tl.load(p_counts + c * E + o_e, mask=m_e, other=0)
+    b_blocks = (b_total + BM - 1) // BM
+    b_start = tl.cumsum(b_blocks, 0) - b_blocks  # the expert's first tile
+    tl.store(p_used, tl.sum(b_blocks, 0))
+    b_slot = b_start * BM  # where the expert's next pair goes
+    for c in range(0, NUM_CHUNKS):
+        b_count = tl.load(p_counts + c * E + o_e, mask=m_e, other=0)
+        b_below = tl.cumsum(b_count, 0) - b_count  # the chunk's pairs of lower experts: sorted before
+        tl.store(p_off + c * E + o_e, b_slot - b_below, mask=m_e)
+        b_slot += b_count
+    for j in range(0, tl.max(b_blocks, 0)):
+        tl.store(p_expert + b_start + j, o_e, mask=m_e & (j < b_blocks))
+
+
+@triton.jit
+def _tile_slots_kernel(p_ids, p_off, p_pair, P, E, CHUNK: tl.constexpr, PAIR_BITS: tl.constexpr):
+    """Chunk c's pairs sorted by (expert, pair) in registers; the pair at sorted place q of expert e goes to slot
+    off[c, e] + q: after the pairs of e in earlier chunks and the ones before it in this chunk."""
+    i_c = tl.program_id(0)
+    o_q = tl.arange(0, CHUNK)
+    m_q = i_c * CHUNK + o_q < P
+    b_ids = tl.minimum(tl.load(p_ids + i_c * CHUNK + o_q, mask=m_q, other=E), E)
+    b_ids = tl.where(m_q, b_ids, E + 1)  # past P: sorted last
+    b_key = tl.sort((b_ids << PAIR_BITS) | o_q, 0)
+    b_e = b_key >> PAIR_BITS
+    m_held = b_e < E
+    b_slot = tl.load(p_off + i_c * E + b_e, mask=m_held, other=0) + o_q
+    tl.store(p_pair + b_slot, i_c * CHUNK + (b_key & ((1 << PAIR_BITS) - 1)), mask=m_held)
+
+
+def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32, used): the
+    pairs grouped by expert in tiles of `bm`, in pair order within an expert (P in padding slots, E past the last
+    used tile; ids >= E left out). Decode windows: one program (`used` None); prompt windows: three launches over
+    chunks of the pairs, which also give the number of tiles in use (`used`, [1] int32). The same layout as
+    `expert_tiles_sorted`."""
     P = ids.numel()
     dev = ids.device
     max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
+    flat = ids.reshape(-1).to(torch.int32)
     if P <= SMALL_P:
         pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
         expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
         block_p = max(16, triton.next_power_of_2(P))
         scratch = torch.empty(block_p + 2, dtype=torch.int32, device=dev)
-        _expert_tiles_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, scratch, P, E,
+        _expert_tiles_kernel[(1,)](flat, pair_of_slot, expert_of_block, scratch, P, E,
                                    max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_P=block_p,
                                    PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024,
                                    num_warps=8 if block_p >= 1024 else 4, **pdl(ids))
-        return pair_of_slot, expert_of_block
-    flat = ids.reshape(-1).to(torch.int32)  # [P] (32-bit keys: half the radix sort's passes of 64-bit ones)
+        return pair_of_slot, expert_of_block, None
+    chunk, chunks = LAYOUT_CHUNK, triton.cdiv(P, LAYOUT_CHUNK)
+    block_e = triton.next_power_of_2(E + 1)
+    counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)  # [chunks, E]
+    off = torch.empty(chunks, E, dtype=torch.int32, device=dev)  # [chunks, E]
+    pair_of_slot = torch.full((max_blocks * bm + 1,), P, dtype=torch.int32, device=dev)
+    expert_of_block = torch.full((max_blocks,), E, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    _tile_counts_kernel[(chunks,)](flat, counts, P, E, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
+    _tile_offsets_kernel[(1,)](counts, off, expert_of_block, used, E, chunks, BM=bm, BLOCK_E=block_e,
+                               num_warps=4 if block_e <= 1024 else 8)
+    _tile_slots_kernel[(chunks,)](flat, off, pair_of_slot, P, E, CHUNK=chunk, PAIR_BITS=chunk.bit_length() - 1,
+                                  num_warps=8)
+    return pair_of_slot, expert_of_block, used
+
+
+def expert_tiles_sorted(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_tiles`' layout by a device sort and torch ops (the reference its kernels are checked against)."""
+    P = ids.numel()
+    dev = ids.device
+    max_blocks = triton.cdiv(P, bm) + min(E, P)
+    flat = ids.reshape(-1).to(torch.int32)  # [P]
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
     sorted_e = flat[order]  # [P]
     experts = torch.arange(E, device=dev, dtype=torch.int32)  # [E]
@@ -489,15 +562,16 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     bm = tiles.block_m
-    pair_of_slot, expert_of_block = expert_tiles(ids, held, bm)
+    pair_of_slot, expert_of_block, used = expert_tiles(ids, held, bm)
     max_blocks = expert_of_block.shape[0]
 
     down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
              num_stages=tiles.num_stages, SHARED=shared is not None)
-    used = expert_of_block  # (a stand-in pointer when no kernel walks the tiles)
-    if tiles.persistent or down_persistent:
+    if used is None and (tiles.persistent or down_persistent):
         used = (expert_of_block < held).sum(dtype=torch.int32).reshape(1)  # the tiles in use
+    if used is None:
+        used = expert_of_block  # (a stand-in pointer: no kernel walks the tiles)
 
     def grid(columns: int, block_n: int, per_sm: int) -> tuple[int, ...]:
         if per_sm:

@@ -83,7 +83,7 @@ class Forward:
         for i, w in self.weights.layers.items():
             h, x = self._add_norm(delta, x, w["attn_norm"], rows)
             if self.spec.layers[i].mixer == "attention":
-                delta = self._attention(i, w, h, window, turn, rows)
+                delta = self._attention(i, w, h, window, turn, rows, positions)
             else:
                 delta = self._gdn(i, w, h, window, rows)
             h, x = self._add_norm(delta, x, w["mlp_norm"], rows)
@@ -118,7 +118,9 @@ class Forward:
         x = self.layers(x, window)
         return self.head(x, window) if self.weights.final_norm is not None else x
 
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows) -> torch.Tensor:
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """positions: the window's, on the device (a host copy per layer would wait for the GPU to drain)."""
         a = self.spec.attention
         r = x.shape[0]
         q, k, v, gate = split_qkv(a, rows(F.linear, x, w["qkv"], w.get("qkv_bias")))
@@ -134,7 +136,7 @@ class Forward:
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
             out[seg_rows] = self.attend(q[seg_rows], k_cells[:end], v_cells[:end],
-                                        window.positions[seg_rows].to(self.device), self.scale)
+                                        positions[seg_rows], self.scale)
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
