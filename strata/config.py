@@ -72,7 +72,7 @@ class EngineSettings(StrataSettings):
     prefill_chunk: int = Field(512, gt=0, description="rows per window while reading a prompt")
     batch: int = Field(0, ge=0, le=256, description="batch slots decoded together (0: solo only)")
     kernels: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="decode-window kernels: triton (GPU default), torch references (CPU default)"
+        "auto", description="kernels: triton (GPU default; prompt projections stay on torch GEMMs), torch references (CPU default)"
     )
     cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (with the triton kernels)")
     layer_split: str | None = Field(

@@ -318,9 +318,10 @@ def prefill_tiles(d: int) -> tuple[int, int, int, int]:
     return PREFILL_TILES_WIDE if _block_d(d) > 128 else PREFILL_TILES
 
 
-# bench/_probe on an H200 (sixth session), causal attention over 4,096 rows: heads of 128 (30B: 32 q / 4 kv
-# heads) 307.6 us with these, 347-587 us with 128-row blocks; heads of 256 (Qwen3-Next: 16 / 2) 330.1 us with 128
-# rows x 64 cells on 8 warps, 2 stages, against 765.7 us with the 64 x 32 blocks before and 405-609 us otherwise.
+# Candidates timed one by one on an H200 (sixth session), causal attention over 4,096 rows: heads of 128 (30B:
+# 32 q / 4 kv heads) 307.6 us with these, 347-587 us with 128-row blocks; heads of 256 (Qwen3-Next: 16 / 2)
+# 330.1 us with 128 rows x 64 cells on 8 warps, 2 stages, against 765.7 us with the 64 x 32 blocks before and
+# 405-609 us otherwise (128 x 64 with 3 stages and 128 x 128 do not fit in shared memory).
 PREFILL_TILES = (64, 64, 4, 3)
 PREFILL_TILES_WIDE = (128, 64, 8, 2)  # heads over 128 wide (Qwen3-Next's 256)
 
