@@ -42,6 +42,7 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
     replace(DECODE_TILES, tma=True),  # weight tiles by tensor descriptors: within 1 % at 1 / 8 / 64 rows (sixth)
+    replace(DECODE_TILES, persistent=2),  # tiles walked by 2 programs / SM: 1 row -1 %, 8 rows +7 %, 64 +4 % (sixth)
 ]
 PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/PERFORMANCE.md)
     PROMPT_TILES,  # the one in use: weight tiles by tensor descriptors, gate_up 4 stages, down walked, pairs bf16

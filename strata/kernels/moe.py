@@ -373,12 +373,13 @@ def _max(a, b):
 
 
 @triton.jit
-def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, P, E, NUM_SLOTS, MAX_BLOCKS,
+def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, p_used, P, E, NUM_SLOTS, MAX_BLOCKS,
                          BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
                          PDL: tl.constexpr):
     """One program: group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
     order within an expert (what a stable sort by expert gives). p_pair[slot] = the pair in that slot (P in
-    padding slots); p_expert[tile] = its expert (E past the last used tile). Ids >= E are left out.
+    padding slots); p_expert[tile] = its expert (E past the last used tile); p_used = the tiles in use. Ids >= E
+    are left out.
 
     The pairs are sorted by (expert, pair) in registers; each sorted pair's slot is its position plus the
     padding of the experts' tiles before it. The work grows with P, not with the number of experts."""
@@ -407,7 +408,9 @@ def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, P, E, NUM_SLOTS, MA
     b_pad = tl.where(m_held & (b_next != b_e), (b_count + BM - 1) // BM * BM - b_count, 0)  # at each expert's end
     b_slot = o_q + tl.cumsum(b_pad, 0) - b_pad  # plus the padding of the experts before
     tl.store(p_pair + b_slot, b_pair, mask=m_held)
-    tl.store(p_expert + b_slot // BM, b_e, mask=m_held & (b_rank % BM == 0))
+    m_first = m_held & (b_rank % BM == 0)  # the first pair of a tile
+    tl.store(p_expert + b_slot // BM, b_e, mask=m_first)
+    tl.store(p_used, tl.sum(m_first.to(tl.int32), 0))
 
 
 SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one program
@@ -466,9 +469,8 @@ def _tile_slots_kernel(p_ids, p_off, p_pair, P, E, CHUNK: tl.constexpr, PAIR_BIT
 def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32, used): the
     pairs grouped by expert in tiles of `bm`, in pair order within an expert (P in padding slots, E past the last
-    used tile; ids >= E left out). Decode windows: one program (`used` None); prompt windows: three launches over
-    chunks of the pairs, which also give the number of tiles in use (`used`, [1] int32). The same layout as
-    `expert_tiles_sorted`."""
+    used tile; ids >= E left out) and `used` ([1] int32: the tiles in use). Decode windows: one program; prompt
+    windows: three launches over chunks of the pairs. The same layout as `expert_tiles_sorted`."""
     P = ids.numel()
     dev = ids.device
     max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
@@ -477,12 +479,13 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
         pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
         expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
         block_p = max(16, triton.next_power_of_2(P))
-        scratch = torch.empty(block_p + 2, dtype=torch.int32, device=dev)
-        _expert_tiles_kernel[(1,)](flat, pair_of_slot, expert_of_block, scratch, P, E,
+        scratch = torch.empty(block_p + 3, dtype=torch.int32, device=dev)  # (its last word: `used`)
+        used = scratch[block_p + 2 :]
+        _expert_tiles_kernel[(1,)](flat, pair_of_slot, expert_of_block, scratch, used, P, E,
                                    max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_P=block_p,
                                    PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024,
                                    num_warps=8 if block_p >= 1024 else 4, **pdl(ids))
-        return pair_of_slot, expert_of_block, None
+        return pair_of_slot, expert_of_block, used
     chunk, chunks = LAYOUT_CHUNK, triton.cdiv(P, LAYOUT_CHUNK)
     block_e = triton.next_power_of_2(E + 1)
     counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)  # [chunks, E]
@@ -568,10 +571,6 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
              num_stages=tiles.num_stages, SHARED=shared is not None)
-    if used is None and (tiles.persistent or down_persistent):
-        used = (expert_of_block < held).sum(dtype=torch.int32).reshape(1)  # the tiles in use
-    if used is None:
-        used = expert_of_block  # (a stand-in pointer: no kernel walks the tiles)
 
     def grid(columns: int, block_n: int, per_sm: int) -> tuple[int, ...]:
         if per_sm:
