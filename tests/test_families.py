@@ -100,3 +100,11 @@ def test_a_stage_reads_only_its_layers(tmp_path):
     layer_ids = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
     assert layer_ids == {2, 3}
     assert weights.embed is None and weights.lm_head is not None
+
+
+def test_the_multimodal_checkpoint_takes_overrides_for_its_text_model(tmp_path):
+    """tests.tiny_models.build's overrides reach the text model of the multimodal case too (its config is made
+    apart from the others'), and the engine reads the overridden shape."""
+    ref = build("qwen3_5_moe", tmp_path, shared_expert_intermediate_size=32)
+    assert ref.config.text_config.shared_expert_intermediate_size == 32
+    assert ModelFiles.open(tmp_path).spec.moe.shared_dim == 32

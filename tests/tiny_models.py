@@ -39,11 +39,10 @@ CASES = {
 }
 
 
-def _qwen3_5_config():
+def _qwen3_5_config(**text_overrides):
     import transformers
 
-    text = {k: v for k, v in HYBRID.items()}
-    text["num_key_value_heads"] = 1
+    text = {**HYBRID, "num_key_value_heads": 1, **text_overrides}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
 
@@ -54,12 +53,15 @@ def build(name: str, folder: Path, seed: int = 0, **overrides):
     import transformers
 
     config_cls, model_cls, kwargs = CASES[name]
-    kwargs = kwargs if kwargs is None else dict(kwargs, **overrides)
+    multimodal = kwargs is None  # its overrides go to the text model's config
     torch.manual_seed(seed)
-    config = _qwen3_5_config() if kwargs is None else getattr(transformers, config_cls)(**kwargs)
+    if multimodal:
+        config = _qwen3_5_config(**overrides)
+    else:
+        config = getattr(transformers, config_cls)(**dict(kwargs, **overrides))
     model = getattr(transformers, model_cls)(config).eval()
     # sharded when it is the multimodal one, so the index file path is exercised
-    model.save_pretrained(folder, max_shard_size="200KB" if kwargs is None else "50MB")
+    model.save_pretrained(folder, max_shard_size="200KB" if multimodal else "50MB")
     return model
 
 
