@@ -65,7 +65,8 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr, GATED: tl.constexpr, HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Row i_r's head vectors HEADS * i_h' .. + HEADS - 1, one after the other, each as a program of its own would."""
+    """Row program_id(0)'s head vectors HEADS * program_id(1) and the HEADS - 1 after it, one after the other, each
+    as a program of its own would."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK)

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from strata.experts.block import pooled_moe
 from strata.experts.pool import stage_pools
 from strata.kernels.attention import attention
-from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.deferred import PairSum
 from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
+from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
