@@ -240,3 +240,17 @@ def test_weight_tiles_by_tensor_descriptors_give_the_same_bits(dtype):
     for t in (replace(tiles, tma=True), replace(tiles, tma=True, persistent=2, down_persistent=1)):
         got = fused_experts_triton(x, weights.to(dtype), ids, w["gate_up"], w["down"], t, defer=True)
         assert torch.equal(got.y, want.y)
+
+
+def test_weights_the_descriptors_cannot_take_are_read_by_pointers():
+    """Expert weights at an address a tensor descriptor refuses (not 16-byte aligned): the prompt tiles read them
+    with pointer loads, with the same results as aligned copies of the same values."""
+    w = make_weights(torch.float16)
+    x = make_x(70, torch.float16)
+    weights, ids = routing(70, 3)
+    buffers = [torch.empty(t.numel() + 1, dtype=t.dtype) for t in (w["gate_up"], w["down"])]
+    gate_up, down = (b[1:].view(t.shape).copy_(t) for b, t in zip(buffers, (w["gate_up"], w["down"])))
+    assert gate_up.data_ptr() % 16 and down.data_ptr() % 16
+    want = fused_experts_triton(x, weights.half(), ids, w["gate_up"], w["down"], PROMPT_TILES, defer=True)
+    got = fused_experts_triton(x, weights.half(), ids, gate_up, down, PROMPT_TILES, defer=True)
+    assert torch.equal(got.y, want.y)

@@ -579,8 +579,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
                   PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages)
-    tma = tiles.tma and shared is None and gate_up.is_contiguous() and down.is_contiguous() \
-        and H * gate_up.element_size() % 16 == 0 and I * down.element_size() % 16 == 0  # descriptors' row rule
+    tma = tiles.tma and shared is None and all(  # the descriptors' rules: contiguous, 16-byte aligned rows
+        w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0 for w in (gate_up, down))
     w_gate_up, w_down = gate_up, down
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
