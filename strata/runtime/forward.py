@@ -128,15 +128,18 @@ class Forward:
             q = rows(self.norm, q, w["q_norm"], self.spec.rms_eps)
             k = rows(self.norm, k, w["k_norm"], self.spec.rms_eps)
         q, k = turn(q), turn(k)
-        out = torch.empty_like(q)
+        out = None if len(window.segments) == 1 else torch.empty_like(q)
         for seg in window.segments:
             seg_rows = slice(seg.start, seg.stop)
             end = seg.first_pos + seg.num_rows
             k_cells, v_cells = seg.state.k[i], seg.state.v[i]
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
-            out[seg_rows] = self.attend(q[seg_rows], k_cells[:end], v_cells[:end],
-                                        positions[seg_rows], self.scale)
+            seg_out = self.attend(q[seg_rows], k_cells[:end], v_cells[:end], positions[seg_rows], self.scale)
+            if out is None:  # the window's one sequence: its output is the block's
+                out = seg_out
+            else:
+                out[seg_rows] = seg_out
         out = out.reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
