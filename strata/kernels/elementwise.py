@@ -1,4 +1,5 @@
-"""Small elementwise steps of a decode window, one Triton launch each instead of two to five torch ones.
+"""Small elementwise steps of a decode window, one Triton launch each instead of two to five torch ones (prompt
+windows use the GDN gates' kernel too: four torch passes over a prompt's [R, Hv] gates become one).
 
 At a few rows these steps read and write almost nothing; what they cost is their launches. Each kernel keeps the
 torch ops' roundings (a bfloat16 result is rounded where torch would round it), one program per row and block
