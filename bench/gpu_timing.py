@@ -64,30 +64,27 @@ def matmul_rate(device: str, n: int = 8192) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - start)
 
 
-def kernel_seconds(run: Callable[[], None], steps: int = 5) -> dict[str, float]:
-    """GPU seconds per call of each kernel `run` launches (torch.profiler), by kernel name."""
+def _kernel_events(run: Callable[[], None], steps: int) -> list:
+    """The profiler's per-kernel averages of `run` called `steps` times (kernels with GPU time only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / 1e6 / steps for e in prof.key_averages()
-            if getattr(e, "self_device_time_total", 0) > 0}
+    return [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+
+
+def kernel_seconds(run: Callable[[], None], steps: int = 5) -> dict[str, float]:
+    """GPU seconds per call of each kernel `run` launches (torch.profiler, after one call to warm up), by name."""
+    run()
+    return {e.key: e.self_device_time_total / 1e6 / steps for e in _kernel_events(run, steps)}
 
 
 def print_kernel_table(run: Callable[[], None], title: str, top: int = 15, steps: int = 1) -> None:
     """Run `run` `steps` times under the profiler and print its kernels, largest GPU time first, per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events = _kernel_events(run, steps)
     total = sum(e.self_device_time_total for e in events) or 1
     print(f"\n{title}: {total / 1e3 / steps:.3f} ms of GPU time per step, {sum(e.count for e in events) / steps:.0f} "
           "kernels per step")
