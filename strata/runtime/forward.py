@@ -128,19 +128,15 @@ class Forward:
             q = rows(self.norm, q, w["q_norm"], self.spec.rms_eps)
             k = rows(self.norm, k, w["k_norm"], self.spec.rms_eps)
         q, k = turn(q), turn(k)
-        out = None if len(window.segments) == 1 else torch.empty_like(q)
+        outs = []
         for seg in window.segments:
             seg_rows = slice(seg.start, seg.stop)
             end = seg.first_pos + seg.num_rows
             k_cells, v_cells = seg.state.k[i], seg.state.v[i]
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
-            seg_out = self.attend(q[seg_rows], k_cells[:end], v_cells[:end], positions[seg_rows], self.scale)
-            if out is None:  # the window's one sequence: its output is the block's
-                out = seg_out
-            else:
-                out[seg_rows] = seg_out
-        out = out.reshape(r, -1)
+            outs.append(self.attend(q[seg_rows], k_cells[:end], v_cells[:end], positions[seg_rows], self.scale))
+        out = _joined(outs).reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return rows(F.linear, out, w["o"])
@@ -151,8 +147,7 @@ class Forward:
         proj = rows(F.linear, x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
         decay, beta = self.gdn_gates(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv]: log decay (float32), beta
-        out = None if len(window.segments) == 1 else \
-            torch.empty(r, g.num_v_heads, g.v_head_dim, device=x.device, dtype=x.dtype)
+        outs = []
         prompt_gdn = self.prompt_gdn if rows is plain else None  # Triton in prompt windows
         conv = causal_conv1d if prompt_gdn is None else prompt_gdn[0]
         for seg in window.segments:
@@ -170,11 +165,8 @@ class Forward:
                 rule = prompt_gdn[1]  # any n, 1 included
             seg_out, new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
             state.recurrent[i].copy_(new_state)
-            if out is None:  # the window's one sequence: its output is the block's
-                out = seg_out
-            else:
-                out[seg_rows] = seg_out
-        out = self.gated_norm(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
+            outs.append(seg_out)
+        out = self.gated_norm(_joined(outs), z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
         return rows(F.linear, out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x: torch.Tensor, rows) -> torch.Tensor:
@@ -188,6 +180,12 @@ class Forward:
         if self.prompt_moe is not None and rows is plain:  # a prompt window: no host sync, grouped GEMMs
             return self.prompt_moe(*args, defer=True)  # its pairs are added by the next residual norm
         return moe(*args, rows)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A block's per-segment outputs as the window's rows (segments hold consecutive rows, in order): a window of
+    one sequence keeps its output as is, with no copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _finished(delta) -> torch.Tensor:
