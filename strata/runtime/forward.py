@@ -120,7 +120,7 @@ class Forward:
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows,
                    positions: torch.Tensor) -> torch.Tensor:
-        """positions: the window's, on the device (a host copy per layer would wait for the GPU to drain)."""
+        """positions: the window's on this stage's device, as `layers` holds them (read once per window)."""
         a = self.spec.attention
         r = x.shape[0]
         q, k, v, gate = split_qkv(a, rows(F.linear, x, w["qkv"], w.get("qkv_bias")))
