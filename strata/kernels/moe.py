@@ -466,6 +466,12 @@ def _tile_slots_kernel(p_ids, p_off, p_pair, P, E, CHUNK: tl.constexpr, PAIR_BIT
     tl.store(p_pair + b_slot, i_c * CHUNK + (b_key & ((1 << PAIR_BITS) - 1)), mask=m_held)
 
 
+def _max_tiles(P: int, E: int, bm: int) -> int:
+    """Tiles of `bm` pairs enough for P pairs over E experts whatever the routing (each expert's last tile may be
+    partly filled): the grid the expert kernels are launched on."""
+    return triton.cdiv(P, bm) + min(E, P)
+
+
 def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32, used): the
     pairs grouped by expert in tiles of `bm`, in pair order within an expert (P in padding slots, E past the last
@@ -473,7 +479,7 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
     windows: three launches over chunks of the pairs. The same layout as `expert_tiles_sorted`."""
     P = ids.numel()
     dev = ids.device
-    max_blocks = triton.cdiv(P, bm) + min(E, P)  # >= the tiles used, whatever the routing
+    max_blocks = _max_tiles(P, E, bm)
     flat = ids.reshape(-1).to(torch.int32)
     if P <= SMALL_P:
         pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
@@ -505,7 +511,7 @@ def expert_tiles_sorted(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tenso
     """`expert_tiles`' layout by a device sort and torch ops (the reference its kernels are checked against)."""
     P = ids.numel()
     dev = ids.device
-    max_blocks = triton.cdiv(P, bm) + min(E, P)
+    max_blocks = _max_tiles(P, E, bm)
     flat = ids.reshape(-1).to(torch.int32)  # [P]
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
     sorted_e = flat[order]  # [P]
