@@ -75,6 +75,23 @@ def test_decode_matches_reference(case, dtype):
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("case", [(1, 6, 2, 24), (3, 8, 1, 40)], ids=_decode_id)
+def test_decode_applies_the_output_gate(case, dtype):
+    """The output gate (Qwen3-Next) applied as the heads are stored: what `out * torch.sigmoid(gate)` gives after
+    the kernel, with the gate a strided view of the projection (each head's rows are [q | gate])."""
+    r, h, hkv, d = case
+    k_pool, v_pool = make_pool(70, h, hkv, d, dtype)
+    q, seq_ids, positions = make_rows(r, h, d, 70, dtype)
+    q_gate = torch.cat([q, torch.randn(r, h, d, generator=torch.Generator().manual_seed(5)).to(dtype)], dim=-1)
+    q, gate = q_gate.chunk(2, dim=-1)  # [R, H, D] views with a row stride of 2 * H * D
+    plain = decode_attention_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5)
+    gated = decode_attention_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, gate)
+    torch.testing.assert_close(gated, plain * torch.sigmoid(gate), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-3)
+    want = decode_attention_reference(q, k_pool, v_pool, seq_ids, positions, d**-0.5) * torch.sigmoid(gate)
+    torch.testing.assert_close(gated, want, **TOL[dtype])
+
+
 SPLIT = [(r, h, hkv, d) for r in [1, 5] for h, hkv in HEADS for d in [24]]
 
 

@@ -75,7 +75,9 @@ def test_split_k_matches_reference_and_keeps_rows_invariant(dtype, bias):
 
 
 def test_split_k_depends_on_the_weight_shape_only():
-    assert split_k(151936, 2048, 64, 128) == 1  # a wide weight fills the GPU by itself
-    assert split_k(2048, 4096, 64, 128) == 8  # 32 tiles -> 256 programs
-    assert split_k(5120, 2048, 64, 128) == 2
+    assert split_k(151936, 2048, 32, 128) == 1  # a wide weight fills the GPU by itself
+    assert split_k(2048, 4096, 32, 128) == 4  # 64 tiles -> 256 programs of 1,024 columns (8 steps)
+    assert split_k(5120, 2048, 32, 128) == 2  # 160 tiles -> 320 programs of 8 steps
+    assert split_k(12352, 2048, 32, 128) == 1  # 386 tiles: two chunks would pass 512 programs
+    assert split_k(128, 2048, 32, 128) == 8  # a router: 4 tiles -> 32 programs of 256 columns
     assert split_k(40, 136, 64, 64) == 1  # too short to split

@@ -254,3 +254,55 @@ def test_weights_the_descriptors_cannot_take_are_read_by_pointers():
     want = fused_experts_triton(x, weights.half(), ids, w["gate_up"], w["down"], PROMPT_TILES, defer=True)
     got = fused_experts_triton(x, weights.half(), ids, gate_up, down, PROMPT_TILES, defer=True)
     assert torch.equal(got.y, want.y)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33], ids=lambda r: f"R={r}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_handoff_launch_gives_the_same_bits(rows, dtype):
+    """gate_up and down in one launch (ExpertTiles.handoff: each down program waits for its pair tile's gate_up
+    tiles to be counted done) compute every pair as the two launches do, bit for bit: routed pairs, a shared
+    pair, ids past the experts held, and a column count that leaves the last tile partly filled."""
+    w = make_weights(dtype)
+    x = make_x(rows, dtype)
+    weights, ids = routing(rows, 3, experts=EXPERTS)
+    ids[0, 0] = EXPERTS  # the shared pair's id on row 0
+    ids[-1, 1] = EXPERTS + 1  # not held here
+    tiles = replace(DECODE_TILES, block_n=16, block_k=16, down_n=16, handoff=False)
+    shared = (w["gate_up"][0], w["down"][0])
+    want = fused_experts_triton(x, weights.to(dtype), ids.int(), w["gate_up"], w["down"], tiles, defer=True,
+                                shared=shared)
+    got = fused_experts_triton(x, weights.to(dtype), ids.int(), w["gate_up"], w["down"], replace(tiles, handoff=True),
+                               defer=True, shared=shared)
+    held = ids.reshape(-1) <= EXPERTS  # a pair not held here is never written (and never read)
+    assert torch.equal(got.y[held], want.y[held])
+    assert DECODE_TILES.handoff and not PROMPT_TILES.handoff
+
+
+@pytest.mark.parametrize("shared", [None, "plain", "gated"])
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"R={r}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, shared):
+    """route_triton(layout=...): one program routes the rows in turn and lays their pairs out. Its weights and ids
+    are the per-row programs' bit for bit, its tiles `expert_tiles`' (with zeroed handoff counters), and the
+    experts computed from them give the same bits."""
+    w = make_weights(dtype)
+    x = make_x(rows, dtype)
+    logits = F.linear(x, w["router"])
+    gate = w["shared_gate"] if shared == "gated" else None
+    want_w, want_ids = route_triton(logits, 3, True, shared, x, gate)
+    bm = DECODE_TILES.block_m
+    got_w, got_ids, tiles = route_triton(logits, 3, True, shared, x, gate, layout=(bm, True))
+    assert torch.equal(got_w, want_w) and torch.equal(got_ids, want_ids)
+    held = EXPERTS + (shared is not None)
+    for got, want in zip(tiles[:3], expert_tiles(want_ids, held, bm)):
+        assert torch.equal(got, want)
+    assert torch.equal(tiles[3], torch.zeros_like(tiles[3]))
+    if shared is not None:
+        sh = (w["gate_up"][1], w["down"][1])  # any expert-shaped pair stands in for the shared one
+        args = (x, want_w.to(dtype), want_ids, w["gate_up"], w["down"], DECODE_TILES)
+        a = fused_experts_triton(*args, defer=True, shared=sh)
+        b = fused_experts_triton(*args, defer=True, shared=sh, layout=tiles)
+        assert torch.equal(a.y, b.y)
+    full = moe_triton(x, top_k=3, norm_topk=True, **w)  # 1 row: the routing program's layout inside
+    ref = moe(x.float(), top_k=3, norm_topk=True, **{k: _float(v) for k, v in w.items()})
+    torch.testing.assert_close(full.float(), ref, **TOL[dtype])

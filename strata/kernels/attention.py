@@ -66,20 +66,22 @@ def _block_d(d: int) -> int:
 
 @triton.jit
 def _decode_kernel(
-    q, k_pool, v_pool, seq_ids, positions, out, m_part, l_part,
+    q, k_pool, v_pool, seq_ids, positions, out, m_part, l_part, gate,
     qk_scale,
     s_qr, s_qh, s_qd,
     s_ks, s_kl, s_kh, s_kd,
     s_vs, s_vl, s_vh, s_vd,
     s_or, s_oh, s_oc, s_od,
     s_mr, s_mh, s_mc,
+    s_gr, s_gh,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, K/V head[, chunk of CHUNK_CELLS cells when SPLIT]); the G query heads of
-    the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros)."""
+    the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros). GATE (not
+    with SPLIT): each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_hkv = tl.program_id(1)
@@ -133,7 +135,13 @@ def _decode_kernel(
         tl.store(l_part + i_r * s_mr + heads * s_mh + i_c * s_mc, l_i, mask=mask_g)
     else:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
-        tl.store(p_o, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=mask_o)
+        ty = out.dtype.element_ty
+        b_o = (acc / l_i[:, None]).to(ty)
+        if GATE:  # the output gate: sigmoid rounded to the model's dtype, then the product rounded
+            b_g = tl.load(gate + i_r * s_gr + heads[:, None] * s_gh + offs_d[None, :], mask=mask_o, other=0.0)
+            b_g = tl.sigmoid(b_g.to(tl.float32)).to(ty)
+            b_o = (b_o.to(tl.float32) * b_g.to(tl.float32)).to(ty)
+        tl.store(p_o, b_o, mask=mask_o)
 
 
 @triton.jit
@@ -184,22 +192,27 @@ def _check_decode(q, k_pool, v_pool) -> tuple[int, int, int, int]:
 
 
 def decode_attention_triton(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+    scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode_attention_reference` as one Triton program per (row, K/V head). Returns [R, H, D] in q's dtype."""
+    """`decode_attention_reference` as one Triton program per (row, K/V head). Returns [R, H, D] in q's dtype.
+    `gate` [R, H, D] (any row and head strides, unit last stride): the output gate, applied as the heads are
+    stored (`out * torch.sigmoid(gate)`)."""
     r, h, d, hkv = _check_decode(q, k_pool, v_pool)
     out = torch.empty_like(q)  # [R, H, D]
     if r == 0:
         return out
+    assert gate is None or (gate.shape == q.shape and gate.stride(-1) == 1), "gate: [R, H, D], unit last stride"
     block_g, block_d, block_n = _decode_blocks(d, h // hkv)
     _decode_kernel[(r, hkv, 1)](
-        q, k_pool, v_pool, seq_ids, positions, out, out, out,
+        q, k_pool, v_pool, seq_ids, positions, out, out, out, gate if gate is not None else out,
         scale * LOG2E,
         *q.stride(), *k_pool.stride(), *v_pool.stride(),
         out.stride(0), out.stride(1), 0, out.stride(2),
         0, 0, 0,
+        *(gate.stride()[:2] if gate is not None else (0, 0)),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
         num_warps=4, **pdl(q)
     )
     return out
@@ -230,13 +243,14 @@ def decode_attention_split_triton(
     m_part = torch.empty(r, h, n_chunks, device=q.device, dtype=torch.float32)  # [R, H, C]
     l_part = torch.empty_like(m_part)  # [R, H, C]
     _decode_kernel[(r, hkv, n_chunks)](
-        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part,
+        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part, acc_part,
         scale * LOG2E,
         *q.stride(), *k_pool.stride(), *v_pool.stride(),
         *acc_part.stride(),
         *m_part.stride(),
+        0, 0,
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype), GATE=False,
         num_warps=4, **pdl(q)
     )
     _decode_combine_kernel[(r, h)](

@@ -21,26 +21,40 @@ from strata.kernels.deferred import SplitSum, finish, sum_chunks
 from strata.kernels.pdl import pdl, wait_for_prior
 
 BLOCK_M = 16
-# dtype -> (BLOCK_N, BLOCK_K, num_stages); one configuration per dtype, whatever M is.
+# dtype -> (BLOCK_N, BLOCK_K, num_stages); one configuration per dtype, whatever M is. The 16-bit ones: 32 columns
+# x 128-deep steps (seventh session, bench/linear_tiles.py on an H200 with the weights read from memory, not from
+# L2: 1 row 17 % faster for the 30B shape's o projection and 4-20 % for the other decode projections than 64
+# columns; at 64 rows within 2 us either way).
 CONFIGS = {
     torch.float32: (64, 64, 3),
-    torch.float16: (64, 128, 4),
-    torch.bfloat16: (64, 128, 4),
+    torch.float16: (32, 128, 4),
+    torch.bfloat16: (32, 128, 4),
 }
 NUM_WARPS = 4
-TARGET_PROGRAMS = 256  # about two per SM of a large GPU: enough loads in flight to stream the weight
+TARGET_PROGRAMS = 512  # at most about four per SM of a large GPU
+FILL_PROGRAMS = 128  # a weight with fewer programs than this is split down to MIN_CHUNK columns a chunk
 MIN_CHUNK = 256  # the fewest K columns one program of a split sums
+LONG_CHUNK = 1024  # else a split stops where chunks would get shorter than this: a program streams 8 steps or more
 
 
 def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
     """How many chunks K is split into for an [n, k] weight: a power of two, a function of the shape only (so a
-    row's sum order never depends on how many rows share the call), 1 for weights wide enough on their own."""
+    row's sums never depend on how many rows share the call), 1 for weights wide enough on their own.
+
+    A program's first weight loads wait a full trip to memory, then its pipeline streams; on an H200 a program
+    of 8 steps or more streamed best (the 30B shape's o projection: 256 programs of 8 steps 6.4 us, 512 of 4
+    steps 7.9 us). So K is split while the programs stay under TARGET_PROGRAMS and each keeps LONG_CHUNK columns,
+    or, for a weight too narrow to occupy the GPU (a router), down to MIN_CHUNK."""
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= max(MIN_CHUNK, block_k) \
-            and k % (split * 2 * block_k) == 0:
-        split *= 2
-    return split
+    while True:
+        more = split * 2
+        chunk = k // more
+        if tiles * more > TARGET_PROGRAMS or chunk < max(MIN_CHUNK, block_k) or k % (more * block_k):
+            return split
+        if tiles * split >= FILL_PROGRAMS and chunk < LONG_CHUNK:
+            return split
+        split = more
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

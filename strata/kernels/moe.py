@@ -110,12 +110,16 @@ class ExpertTiles:
     down_persistent: int | None = None  # the same for the down products, if not `persistent`
     down_stages: int | None = None  # the down products' pipeline stages, if not `num_stages`
     tma: bool = False  # weight tiles read by the copy engine (tensor descriptors); not with a shared pair
+    handoff: bool = False  # gate_up and down in one launch, each down tile starting when its pairs' h is written
 
 
 # Decode windows: bench/moe_tiles.py on an H200 (graph-replayed, Qwen3-30B-A3B and Qwen3-Next experts at 1, 8 and
 # 64 rows) had 32 columns x 128-deep steps with 4 stages fastest or within 1 % of the fastest at every row count;
-# the down products' 64-column tiles were 0.3-2.8 % faster than 32 at 1, 8 and 64 rows (fourth session).
-DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64, down_n=64)
+# the down products' 64-column tiles were 0.3-2.8 % faster than 32 at 1, 8 and 64 rows (fourth session). Both
+# products in one launch (handoff), seventh session: 30B experts 125.1 -> 119.2 us at 8 rows, 282.3 -> 275.9 at 64,
+# 26.6 -> 26.8 at 1 (Qwen3-Next 118.1 -> 114.0, 527.4 -> 530.3, 26.3 -> 25.5); decode at 8 rows 1,061 -> 1,098 tok/s.
+DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64, down_n=64,
+                            handoff=True)
 # Prompt windows: bench/moe_tiles.py --prompt on an H200 (4,096 rows, eager): of twelve candidates, 128 x 128 x 64
 # tiles on 8 warps with down products 256 columns wide were fastest at both shapes (Qwen3-Next experts 1,459 us, 52 %
 # of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session. A prompt's pair
@@ -132,14 +136,12 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 
 
 @triton.jit
-def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
-                  TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """One row: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
+def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
+               TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row i_r: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
     more pair, the shared expert as expert E, weighted 1 (SHARED 1) or sigmoid(x . gate) (2, the logit rounded
     to the model's dtype as a projection's output is)."""
-    wait_for_prior(PDL)
-    i_r = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY).to(tl.float32)
@@ -165,7 +167,7 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
         if SHARED == 2:
             o_h = tl.arange(0, BLOCK_H)
             m_h = o_h < H
-            b_x = tl.load(p_x + i_r.to(tl.int64) * s_xr + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_x = tl.load(p_x + (tl.full([], 0, tl.int64) + i_r) * s_xr + o_h, mask=m_h, other=0.0).to(tl.float32)
             b_g = tl.load(p_gate + o_h, mask=m_h, other=0.0).to(tl.float32)
             b_shared = tl.sigmoid(tl.sum(b_x * b_g, axis=0).to(TY).to(tl.float32))
         b_w = tl.where(o_j == K_TOP, b_shared, b_w)
@@ -173,6 +175,28 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
     m_j = o_j < n_pairs
     tl.store(p_weights + i_r * n_pairs + o_j, b_w, mask=m_j)
     tl.store(p_ids + i_r * n_pairs + o_j, b_i, mask=m_j)
+
+
+@triton.jit
+def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, R,
+                  p_pair, p_expert, p_scratch, p_used, p_done, NUM_SLOTS, MAX_BLOCKS, SPLIT: tl.constexpr,
+                  TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, LAYOUT: tl.constexpr,
+                  BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  DONE: tl.constexpr, PDL: tl.constexpr):
+    """One program per row (`_route_row`), or LAYOUT: one program routes all R rows, then lays their pairs out in
+    expert tiles (`_lay_out_tiles`, the shared pair's id E counted as an expert): no launch between the two."""
+    wait_for_prior(PDL)
+    if LAYOUT:
+        for i_r in range(0, R):
+            _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT, TY, K_TOP,
+                       NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H)
+        tl.debug_barrier()  # every row's ids stored before the layout reads them
+        _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, R * (K_TOP + (SHARED > 0)),
+                       E + (SHARED > 0), NUM_SLOTS, MAX_BLOCKS, BM, BLOCK_P, PAIR_BITS, BLOCK_S, DONE)
+    else:
+        _route_row(tl.program_id(0), p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT, TY,
+                   K_TOP, NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H)
 
 
 def route_warps(num_experts: int) -> int:
@@ -183,13 +207,17 @@ def route_warps(num_experts: int) -> int:
 
 
 def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, shared: str | None = None,
-                 x: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 x: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                 layout: tuple[int, bool] | None = None):
     """logits: [R, E] router logits (any float dtype, or a `SplitSum` the kernel adds up first) -> (weights [R, k]
     float32, expert ids [R, k] int32). Softmax in float32 and top-k like `route`, one program per row.
 
     `shared`: also route every row to the shared expert, as pair k with id E (k + 1 pairs a row): "plain" weighs
-    it 1, "gated" sigmoid(x . shared_gate) (x [R, H], shared_gate [1, H], the rows' MoE input and gate)."""
+    it 1, "gated" sigmoid(x . shared_gate) (x [R, H], shared_gate [1, H], the rows' MoE input and gate).
+
+    `layout` (bm, done): one program routes the rows and then lays their pairs out in expert tiles of bm (as
+    `expert_tiles` does, with handoff counters when `done`); returns (weights, ids, tiles), tiles as
+    `fused_experts_triton` takes them. For a row or two: the rows are routed one after another."""
     R, E = logits.shape
     if isinstance(logits, torch.Tensor):
         logits = logits.contiguous()
@@ -203,12 +231,21 @@ def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, s
     h = x.shape[1] if mode == 2 else 1
     weights = torch.empty(R, pairs, dtype=torch.float32, device=logits.device)  # [R, pairs]
     ids = torch.empty(R, pairs, dtype=torch.int32, device=logits.device)  # [R, pairs]
+    tiles = None
+    if layout is not None:
+        assert 0 < R * pairs <= SMALL_P, "the routing program lays out decode windows' pairs only"
+        bm, done = layout
+        tiles, lay = _layout_buffers(R * pairs, E + (mode > 0), bm, logits.device, done)
     if R:
-        _route_kernel[(R,)](p, weights, ids, xs, gate, E, h, logits.stride(0), s_chunk, xs.stride(0), SPLIT=split,
-                            TY=tl_dtype(logits.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED=mode,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
-                            BLOCK_H=triton.next_power_of_2(h), num_warps=route_warps(E), **pdl(p))
-    return weights, ids
+        one = dict(LAYOUT=False, BM=16, BLOCK_P=16, PAIR_BITS=4, BLOCK_S=16, DONE=False)
+        lay_args = lay["pointers"] + lay["sizes"] if layout is not None else (ids,) * 5 + (0, 0)
+        _route_kernel[(1 if layout is not None else R,)](
+            p, weights, ids, xs, gate, E, h, logits.stride(0), s_chunk, xs.stride(0), R, *lay_args, SPLIT=split,
+            TY=tl_dtype(logits.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED=mode,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
+            BLOCK_H=triton.next_power_of_2(h), **(dict(lay["meta"], LAYOUT=True) if layout is not None else one),
+            num_warps=route_warps(E), **pdl(p))
+    return (weights, ids) if layout is None else (weights, ids, tiles)
 
 
 @triton.jit
@@ -289,9 +326,10 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
 @triton.jit
 def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, H_CG: tl.constexpr = False):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
-    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`)."""
+    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). H_CG: h is
+    read from L2, not the multiprocessor's own cache (written by other programs of the same launch)."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,8 +348,12 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
         for k0 in range(0, I, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < I
-            b_h = tl.load(p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                          other=0.0)  # [BM, BK]
+            p_hk = p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :]
+            m_hk = m_m[:, None] & m_k[None, :]
+            if H_CG:
+                b_h = tl.load(p_hk, mask=m_hk, other=0.0, cache_modifier=".cg")  # [BM, BK]
+            else:
+                b_h = tl.load(p_hk, mask=m_hk, other=0.0)
             b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
     b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
@@ -337,6 +379,42 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         if i_e < E + SHARED:
             _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                        SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+
+
+@triton.jit
+def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I, s_xr,
+                    s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
+                    SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr):
+    """Both products in one launch (ExpertTiles.handoff). Programs below GATE_UP_PROGRAMS compute one gate_up tile
+    each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the layout);
+    the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of their pair
+    tile is counted. The hardware starts a grid's programs in id order, so every gate_up program has started
+    before a down program waits: the wait always ends. A pair tile's down products start as soon as its own h
+    is written, not after the last gate_up tile of the window, and the launch between them is gone. Same tile
+    functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there)."""
+    wait_for_prior(PDL)
+    i_p = tl.program_id(0)
+    n_gate_up = tl.cdiv(I, BLOCK_N)
+    if i_p < GATE_UP_PROGRAMS:
+        i_b = i_p // n_gate_up
+        i_e = tl.load(p_expert + i_b)
+        if i_e < E + SHARED:
+            _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
+                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False)
+            tl.debug_barrier()  # every thread's h stores issued before the tile is counted
+            tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
+    else:
+        n_down = tl.cdiv(H, DOWN_N)
+        i_b = (i_p - GATE_UP_PROGRAMS) // n_down
+        i_n = (i_p - GATE_UP_PROGRAMS) % n_down
+        i_e = tl.load(p_expert + i_b)
+        if i_e < E + SHARED:
+            done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
+            while done < n_gate_up:
+                done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
+            _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
+                       BLOCK_M, DOWN_N, DOWN_K, False, True)
 
 
 @triton.jit
@@ -373,17 +451,26 @@ def _max(a, b):
 
 
 @triton.jit
-def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, p_used, P, E, NUM_SLOTS, MAX_BLOCKS,
+def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, P, E, NUM_SLOTS, MAX_BLOCKS,
                          BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         PDL: tl.constexpr):
-    """One program: group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
+                         DONE: tl.constexpr, PDL: tl.constexpr):
+    """One program: `_lay_out_tiles`."""
+    wait_for_prior(PDL)
+    _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, P, E, NUM_SLOTS, MAX_BLOCKS, BM, BLOCK_P,
+                   PAIR_BITS, BLOCK_S, DONE)
+
+
+@triton.jit
+def _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, P, E, NUM_SLOTS, MAX_BLOCKS,
+                   BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   DONE: tl.constexpr):
+    """Group the P (row, choice) pairs by expert into tiles of BM pairs of one expert, in pair
     order within an expert (what a stable sort by expert gives). p_pair[slot] = the pair in that slot (P in
     padding slots); p_expert[tile] = its expert (E past the last used tile); p_used = the tiles in use. Ids >= E
-    are left out.
+    are left out. DONE: p_done[tile] = 0 (the handoff counters of `_experts_kernel`).
 
     The pairs are sorted by (expert, pair) in registers; each sorted pair's slot is its position plus the
     padding of the experts' tiles before it. The work grows with P, not with the number of experts."""
-    wait_for_prior(PDL)
     o_q = tl.arange(0, BLOCK_P)
     m_q = o_q < P
     b_ids = tl.minimum(tl.load(p_ids + o_q, mask=m_q, other=E), E)  # ids >= E: not held here, sorted after
@@ -398,6 +485,8 @@ def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, p_used, P, E, NUM_S
     for t0 in range(0, MAX_BLOCKS, BLOCK_S):
         o_t = t0 + tl.arange(0, BLOCK_S)
         tl.store(p_expert + o_t, tl.zeros([BLOCK_S], dtype=tl.int32) + E, mask=o_t < MAX_BLOCKS)
+        if DONE:
+            tl.store(p_done + o_t, tl.zeros([BLOCK_S], dtype=tl.int32), mask=o_t < MAX_BLOCKS)
     tl.debug_barrier()  # the neighbours and the padding are written before they are read or overwritten
     b_prev = tl.load(p_scratch + o_q, mask=o_q > 0, other=-1)
     b_next = tl.load(p_scratch + 2 + o_q, mask=o_q < BLOCK_P - 1, other=-1)
@@ -414,6 +503,7 @@ def _expert_tiles_kernel(p_ids, p_pair, p_expert, p_scratch, p_used, P, E, NUM_S
 
 
 SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one program
+ROUTE_LAYOUT_ROWS = 1  # up to this many rows the routing program lays the tiles out itself (it routes them in turn)
 LAYOUT_CHUNK = 1024  # pairs per program of the prompt windows' layout
 
 
@@ -472,26 +562,44 @@ def _max_tiles(P: int, E: int, bm: int) -> int:
     return triton.cdiv(P, bm) + min(E, P)
 
 
-def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _layout_buffers(P: int, E: int, bm: int, dev: torch.device, done: bool) -> tuple[tuple, dict]:
+    """What the one-program layout of P pairs writes, ((pair_of_slot, expert_of_block, used, done or None), and
+    its launch arguments: pointers, sizes and constexprs)."""
+    max_blocks = _max_tiles(P, E, bm)
+    pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
+    expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    block_p = max(16, triton.next_power_of_2(P))
+    scratch = torch.empty(block_p + 3, dtype=torch.int32, device=dev)  # (its last word: `used`)
+    used = scratch[block_p + 2 :]
+    counters = torch.empty(max_blocks, dtype=torch.int32, device=dev) if done else None
+    return (pair_of_slot, expert_of_block, used, counters), dict(
+        pointers=(pair_of_slot, expert_of_block, scratch, used, counters if done else used),
+        sizes=(max_blocks * bm + 1, max_blocks),
+        meta=dict(BM=bm, BLOCK_P=block_p, PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024, DONE=done))
+
+
+def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [R, k] -> (pair_of_slot [max_blocks * bm + 1] int32, expert_of_block [max_blocks] int32, used): the
     pairs grouped by expert in tiles of `bm`, in pair order within an expert (P in padding slots, E past the last
     used tile; ids >= E left out) and `used` ([1] int32: the tiles in use). Decode windows: one program; prompt
     windows: three launches over chunks of the pairs. The same layout as `expert_tiles_sorted`."""
+    return _expert_tiles(ids, E, bm, False)[:3]
+
+
+def _expert_tiles(ids: torch.Tensor, E: int, bm: int, done: bool) -> tuple:
+    """`expert_tiles` plus the handoff counters (`done`: [max_blocks] int32 zeroed by the layout program; decode
+    windows only), or None."""
     P = ids.numel()
     dev = ids.device
     max_blocks = _max_tiles(P, E, bm)
     flat = ids.reshape(-1).to(torch.int32)
     if P <= SMALL_P:
-        pair_of_slot = torch.empty(max_blocks * bm + 1, dtype=torch.int32, device=dev)
-        expert_of_block = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-        block_p = max(16, triton.next_power_of_2(P))
-        scratch = torch.empty(block_p + 3, dtype=torch.int32, device=dev)  # (its last word: `used`)
-        used = scratch[block_p + 2 :]
-        _expert_tiles_kernel[(1,)](flat, pair_of_slot, expert_of_block, scratch, used, P, E,
-                                   max_blocks * bm + 1, max_blocks, BM=bm, BLOCK_P=block_p,
-                                   PAIR_BITS=block_p.bit_length() - 1, BLOCK_S=1024,
+        tiles, lay = _layout_buffers(P, E, bm, dev, done)
+        block_p = lay["meta"]["BLOCK_P"]
+        _expert_tiles_kernel[(1,)](flat, *lay["pointers"], P, E, *lay["sizes"], **lay["meta"],
                                    num_warps=8 if block_p >= 1024 else 4, **pdl(ids))
-        return pair_of_slot, expert_of_block, used
+        return tiles
+    assert not done, "handoff counters are zeroed by the decode windows' layout program only"
     chunk, chunks = LAYOUT_CHUNK, triton.cdiv(P, LAYOUT_CHUNK)
     block_e = triton.next_power_of_2(E + 1)
     counts = torch.empty(chunks, E, dtype=torch.int32, device=dev)  # [chunks, E]
@@ -504,7 +612,7 @@ def expert_tiles(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torc
                                num_warps=4 if block_e <= 1024 else 8)
     _tile_slots_kernel[(chunks,)](flat, off, pair_of_slot, P, E, CHUNK=chunk, PAIR_BITS=chunk.bit_length() - 1,
                                   num_warps=8)
-    return pair_of_slot, expert_of_block, used
+    return pair_of_slot, expert_of_block, used, None
 
 
 def expert_tiles_sorted(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -548,7 +656,8 @@ def shared_fits(shared: tuple[torch.Tensor, torch.Tensor], gate_up: torch.Tensor
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | PairSum:
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         layout: tuple | None = None) -> torch.Tensor | PairSum:
     """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
@@ -556,7 +665,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     A pair whose id is >= E (an expert not held on this device: the CPU expert pool computes it) is never
     computed and adds nothing; the rows' other pairs keep their bits. `defer`: return the pairs' outputs as a
     `PairSum` for the next kernel to add (no combine launch). `shared`: the shared expert's (gate_up [2I, H],
-    down [H, I]), computed as expert E for the pairs whose id is E (`route_triton(..., shared=...)`)."""
+    down [H, I]), computed as expert E for the pairs whose id is E (`route_triton(..., shared=...)`). `layout`:
+    the pairs' tiles already laid out (`route_triton(..., layout=...)`), else laid out here."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
@@ -571,7 +681,11 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     bm = tiles.block_m
-    pair_of_slot, expert_of_block, used = expert_tiles(ids, held, bm)
+    handoff = tiles.handoff and P <= SMALL_P
+    if layout is None:
+        layout = _expert_tiles(ids, held, bm, handoff)
+    pair_of_slot, expert_of_block, used, done = layout
+    assert (done is not None) == handoff, "handoff tiles need the layout's counters"
     max_blocks = expert_of_block.shape[0]
 
     down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
@@ -594,12 +708,23 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         w_gate_up = TensorDescriptor.from_tensor(gate_up.view(E * 2 * I, H), [tiles.block_n, tiles.block_k])
         w_down = TensorDescriptor.from_tensor(down.view(E * H, I), [t_down["BLOCK_N"], t_down["BLOCK_K"]])
     h = torch.empty(P, I, dtype=x.dtype, device=dev)  # [P, I]
+    y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
+    route = weights.reshape(-1).contiguous()
+    if handoff:
+        assert not (tma or tiles.persistent or down_persistent) and t_down["num_stages"] == tiles.num_stages, \
+            "handoff tiles: one program per tile, pointer loads, the same pipeline stages for both products"
+        gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
+        _experts_kernel[(gate_up_programs + max_blocks * triton.cdiv(H, t_down["BLOCK_N"]),)](
+            x, gate_up, s_gate_up, h, down, s_down, route, y, pair_of_slot, expert_of_block, done, P, E, H, I,
+            x.stride(0), *gate_up.stride(), *down.stride(), gate_up_programs, K_TOP=k, DOWN_N=t_down["BLOCK_N"],
+            DOWN_K=t_down["BLOCK_K"], **t, **pdl(x))
+        pairs = PairSum(y, ids, held, x.dtype)
+        return pairs if defer else combine_triton(pairs, tiles.combine_n)
     _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
         x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0), *gate_up.stride(),
         K_TOP=k, PERSISTENT=tiles.persistent > 0, TMA=tma, **t, **pdl(x))
-    y = torch.empty(P, H, dtype=x.dtype if tiles.round_pairs else torch.float32, device=dev)  # [P, H]
     _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
-        h, w_down, s_down, weights.reshape(-1).contiguous(), y, pair_of_slot, expert_of_block, used, P, E, H, I,
+        h, w_down, s_down, route, y, pair_of_slot, expert_of_block, used, P, E, H, I,
         *down.stride(), TMA=tma, **t_down, **pdl(x))
     pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
@@ -625,13 +750,15 @@ def moe_triton(
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
     roundings than the separate products (the same for a row whatever shares its window)."""
     logits = linear(x, router)
+    # a window of a row or two: the routing program lays the tiles out too (one launch fewer)
+    lay = (tiles.block_m, True) if tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS else None
     if shared is not None and shared_pair and shared_fits(shared, gate_up, down):
-        weights, ids = route_triton(logits, top_k, norm_topk, "gated" if shared_gate is not None else "plain", x,
-                                    shared_gate)
-        pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True, shared=shared)
+        *routed, layout = route_triton(logits, top_k, norm_topk, "gated" if shared_gate is not None else "plain", x,
+                                       shared_gate, layout=lay) + (None,) * (lay is None)
+        pairs = fused_experts_triton(x, *routed, gate_up, down, tiles, defer=True, shared=shared, layout=layout)
         return pairs if defer else combine_triton(pairs, tiles.combine_n)
-    weights, ids = route_triton(logits, top_k, norm_topk)
-    pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True)
+    *routed, layout = route_triton(logits, top_k, norm_topk, layout=lay) + (None,) * (lay is None)
+    pairs = fused_experts_triton(x, *routed, gate_up, down, tiles, defer=True, layout=layout)
     if shared is not None:
         s = linear(silu_mul_triton(linear(x, shared[0])), shared[1])
         g = linear(x, shared_gate) if shared_gate is not None else None

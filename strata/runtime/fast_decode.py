@@ -76,9 +76,8 @@ class TritonDecode:
         # q/k norms, rotary, and each row's k and v into its own cell: one launch
         q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
                            a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
-        out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale).reshape(r, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
+        # the output gate (Qwen3-Next) is applied as the heads are stored
+        out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate).reshape(r, -1)
         return linear_split(out, w["o"])  # its chunks are added by the next norm
 
     def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:

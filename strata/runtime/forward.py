@@ -138,7 +138,7 @@ class Forward:
             outs.append(self.attend(q[seg_rows], k_cells[:end], v_cells[:end], positions[seg_rows], self.scale))
         out = _joined(outs).reshape(r, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * torch.sigmoid(gate.reshape(r, -1))
         return rows(F.linear, out, w["o"])
 
     def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, rows) -> torch.Tensor:
@@ -200,12 +200,11 @@ def _rows_for(window: Window):
 
 def split_qkv(a: AttentionSpec, qkv: torch.Tensor):
     """The fused projection's output [R, q_out + 2*Hkv*D] -> q [R, H, D], k, v [R, Hkv, D], and the output gate
-    [R, H*D] (None without one; with one, each head's q_proj rows are [q | gate])."""
+    [R, H, D] (None without one; with one, each head's q_proj rows are [q | gate]). All views of qkv."""
     r, d = qkv.shape[0], a.head_dim
     q_out = a.num_heads * d * (2 if a.output_gate else 1)
     q, k, v = qkv.split([q_out, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
     gate = None
     if a.output_gate:
         q, gate = q.reshape(r, a.num_heads, 2 * d).chunk(2, dim=-1)
-        gate = gate.reshape(r, -1)
     return q.reshape(r, a.num_heads, d), k.reshape(r, a.num_kv_heads, d), v.reshape(r, a.num_kv_heads, d), gate
