@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
 from strata.kernels.attention import QKPrep, decode_attention_triton
-from strata.kernels.elementwise import gdn_gates_triton, silu_mul_triton
+from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
 from strata.kernels.moe import moe_triton
-from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+from strata.kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights, Tensors
 from strata.runtime.forward import split_qkv
@@ -43,7 +43,6 @@ class TritonDecode:
     def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
         logits [R, V] on the last stage, else this stage's hidden states."""
-        eps = self.spec.rms_eps
         x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
         pending = None  # the last block's output, added to x by the next norm (one kernel for both)
         for i, w in self.weights.layers.items():
@@ -84,10 +83,11 @@ class TritonDecode:
         r = x.shape[0]
         proj = linear_triton(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        decay, beta = gdn_gates_triton(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv] each
-        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
-                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
-        out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
+        # the gates (decay, beta) and the output's gated norm are computed inside the step's kernel
+        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, None, None,
+                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
+                                gates=(a, b, w["neg_a"], w["dt_bias"]),
+                                out_norm=(z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps))
         return linear_split(out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:
