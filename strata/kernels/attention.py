@@ -3,13 +3,10 @@ Triton kernels beside them for decode rows over a pool of sequences and for a pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.deferred import SplitSum, load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
 
@@ -68,34 +65,8 @@ def _block_d(d: int) -> int:
 
 
 @triton.jit
-def _prep_heads(p_x, s_h, heads, m_g, offs_d, D, HALF, p_w, p_inv_freq, pos, eps, s_chunk, SPLIT: tl.constexpr,
-                TY: tl.constexpr, QK_NORM: tl.constexpr):
-    """Head vectors `heads` of one row at p_x (a tensor's, or a SplitSum's chunks summed and rounded to TY): RMS-
-    normalised with weight p_w (QK_NORM), then the rotary embedding at position `pos` over the first 2 * HALF
-    dimensions (pairs d, d + HALF), the rest passed through; rounded to TY as `qk_prep` rounds. [BLOCK_G, D]."""
-    m_d = offs_d < D
-    m_rot = offs_d < 2 * HALF
-    m_lo = offs_d < HALF
-    partner = tl.where(m_lo, offs_d + HALF, offs_d - HALF)  # the other dimension of a rotary pair
-    m = m_g[:, None] & m_d[None, :]
-    b_x = load_rows(p_x + heads[:, None] * s_h + offs_d[None, :], m, s_chunk, SPLIT, TY)
-    b_p = load_rows(p_x + heads[:, None] * s_h + partner[None, :], m & m_rot[None, :], s_chunk, SPLIT, TY)
-    if QK_NORM:
-        b_f = b_x.to(tl.float32)
-        b_rstd = tl.rsqrt(tl.sum(b_f * b_f, axis=1) / D + eps)[:, None]
-        b_x = (b_f * b_rstd * tl.load(p_w + offs_d, mask=m_d, other=0.0)[None, :]).to(TY)
-        b_p = (b_p.to(tl.float32) * b_rstd * tl.load(p_w + partner, mask=m_rot, other=0.0)[None, :]).to(TY)
-    b_freq = pos.to(tl.float32) * tl.load(p_inv_freq + tl.where(m_lo, offs_d, offs_d - HALF), mask=m_rot, other=0.0)
-    b_cos, b_sin = tl.cos(b_freq)[None, :], tl.sin(b_freq)[None, :]
-    b_x, b_p = b_x.to(tl.float32), b_p.to(tl.float32)
-    b_rot = tl.where(m_lo[None, :], b_x * b_cos - b_p * b_sin, b_x * b_cos + b_p * b_sin)
-    return tl.where(m_rot[None, :], b_rot, b_x).to(TY)
-
-
-@triton.jit
 def _decode_kernel(
     q, k_pool, v_pool, seq_ids, positions, out, m_part, l_part, gate,
-    p_k, p_v, p_qn, p_kn, p_inv_freq,
     qk_scale,
     s_qr, s_qh, s_qd,
     s_ks, s_kl, s_kh, s_kd,
@@ -103,21 +74,14 @@ def _decode_kernel(
     s_or, s_oh, s_oc, s_od,
     s_mr, s_mh, s_mc,
     s_gr, s_gh,
-    s_kr_in, s_kh_in, s_vr_in, s_vh_in, s_chunk, HALF, eps,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATE: tl.constexpr,
-    PREP: tl.constexpr, PREP_SPLIT: tl.constexpr, QK_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, K/V head[, chunk of CHUNK_CELLS cells when SPLIT]); the G query heads of
     the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros). GATE (not
-    with SPLIT): each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`).
-
-    PREP (not with SPLIT): q, k and v come straight from the projection (tensors, or views of a SplitSum with
-    PREP_SPLIT chunks): the program normalises and rotates its q heads and its k head (`_prep_heads`), writes
-    the row's k and v into its cell, and attends with q held in registers: no launch and no round trip of q
-    through memory between the projection and the attention."""
+    with SPLIT): each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_hkv = tl.program_id(1)
@@ -138,25 +102,10 @@ def _decode_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < D
 
+    p_q = q + i_r * s_qr + heads[:, None] * s_qh + offs_d[None, :] * s_qd
+    b_q = tl.load(p_q, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     p_k0 = k_pool + i_s * s_ks + i_hkv * s_kh
     p_v0 = v_pool + i_s * s_vs + i_hkv * s_vh
-    if PREP:
-        TY = out.dtype.element_ty
-        b_q = _prep_heads(q + i_r * s_qr, s_qh, heads, mask_g, offs_d, D, HALF, p_qn, p_inv_freq, pos, eps, s_chunk,
-                          PREP_SPLIT, TY, QK_NORM)  # [BLOCK_G, BLOCK_D]
-        # the row's k head (computed in row 0 of a tile: the other rows are masked) and v head into their cell
-        only = offs_g < 1
-        b_k = _prep_heads(p_k + i_r * s_kr_in, s_kh_in, i_hkv + offs_g * 0, only, offs_d, D, HALF, p_kn, p_inv_freq,
-                          pos, eps, s_chunk, PREP_SPLIT, TY, QK_NORM)
-        m_kv = only[:, None] & mask_d[None, :]
-        tl.store(p_k0 + pos.to(tl.int64) * s_kl + offs_g[:, None] * 0 + offs_d[None, :] * s_kd, b_k, mask=m_kv)
-        b_v = load_rows(p_v + i_r * s_vr_in + i_hkv * s_vh_in + offs_g[:, None] * 0 + offs_d[None, :], m_kv, s_chunk,
-                        PREP_SPLIT, TY)
-        tl.store(p_v0 + pos.to(tl.int64) * s_vl + offs_g[:, None] * 0 + offs_d[None, :] * s_vd, b_v.to(TY), mask=m_kv)
-        tl.debug_barrier()  # the cell written before the loop reads it back
-    else:
-        p_q = q + i_r * s_qr + heads[:, None] * s_qh + offs_d[None, :] * s_qd
-        b_q = tl.load(p_q, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: a row with no cell yet never gives NaN
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -242,64 +191,29 @@ def _check_decode(q, k_pool, v_pool) -> tuple[int, int, int, int]:
     return r, h, d, hkv
 
 
-@dataclass(frozen=True)
-class QKPrep:
-    """What a decode attention call prepares itself from the projection (`decode_attention_triton(prep=...)`): the
-    rows' k and v [R, Hkv, D] (tensors or views of the same SplitSum as q), the q/k norm weights [D] float32 (None:
-    no norm), their eps, and the rotary inverse frequencies [rotary_dim / 2] float32."""
-
-    k: torch.Tensor | SplitSum
-    v: torch.Tensor | SplitSum
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    inv_freq: torch.Tensor
-    rotary_dim: int
-
-
 def decode_attention_triton(
-    q: torch.Tensor | SplitSum, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor,
-    positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None, prep: QKPrep | None = None,
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+    scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_reference` as one Triton program per (row, K/V head). Returns [R, H, D] in q's dtype.
     `gate` [R, H, D] (any row and head strides, unit last stride): the output gate, applied as the heads are
-    stored (`out * torch.sigmoid(gate)`). `prep`: q (and prep.k, prep.v) are the projection's raw heads; each
-    program normalises and rotates them and writes the row's k and v into its cell first, as `qk_prep_triton`
-    followed by this call would (the norms' sums in another order: the same bits for a row whatever shares its
-    window, not bitwise `qk_prep`'s)."""
+    stored (`out * torch.sigmoid(gate)`)."""
     r, h, d, hkv = _check_decode(q, k_pool, v_pool)
-    out = torch.empty((r, h, d), dtype=q.dtype, device=q.device)  # [R, H, D]
+    out = torch.empty_like(q)  # [R, H, D]
     if r == 0:
         return out
     assert gate is None or (gate.shape == q.shape and gate.stride(-1) == 1), "gate: [R, H, D], unit last stride"
     block_g, block_d, block_n = _decode_blocks(d, h // hkv)
-    p_q, s_chunk, split = source(q)
-    if prep is not None:
-        (p_k, _, split_k), (p_v, _, split_v) = source(prep.k), source(prep.v)
-        assert split == split_k == split_v, "q, k and v: all tensors or all views of one SplitSum"
-        assert q.stride(-1) == prep.k.stride(-1) == prep.v.stride(-1) == 1, "the head dimension must be contiguous"
-        assert k_pool.is_contiguous() and v_pool.is_contiguous()
-        assert (prep.q_norm is None) == (prep.k_norm is None)
-        assert prep.rotary_dim % 2 == 0 and prep.rotary_dim <= d and prep.inv_freq.shape == (prep.rotary_dim // 2,)
-        inv_freq = prep.inv_freq.contiguous()
-        prep_args = (p_k, p_v, prep.q_norm if prep.q_norm is not None else inv_freq,
-                     prep.k_norm if prep.k_norm is not None else inv_freq, inv_freq)
-        prep_strides = (prep.k.stride(0), prep.k.stride(1), prep.v.stride(0), prep.v.stride(1), s_chunk,
-                        prep.rotary_dim // 2, prep.eps)
-    else:
-        assert split == 0, "a SplitSum q needs prep (the kernel that finishes it)"
-        prep_args, prep_strides = (out,) * 5, (0, 0, 0, 0, 0, 0, 0.0)
     _decode_kernel[(r, hkv, 1)](
-        p_q, k_pool, v_pool, seq_ids, positions, out, out, out, gate if gate is not None else out, *prep_args,
+        q, k_pool, v_pool, seq_ids, positions, out, out, out, gate if gate is not None else out,
         scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), *k_pool.stride(), *v_pool.stride(),
+        *q.stride(), *k_pool.stride(), *v_pool.stride(),
         out.stride(0), out.stride(1), 0, out.stride(2),
         0, 0, 0,
-        *(gate.stride()[:2] if gate is not None else (0, 0)), *prep_strides,
+        *(gate.stride()[:2] if gate is not None else (0, 0)),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
-        PREP=prep is not None, PREP_SPLIT=split, QK_NORM=prep is not None and prep.q_norm is not None,
-        num_warps=4, **pdl(p_q)
+        num_warps=4, **pdl(q)
     )
     return out
 
@@ -329,15 +243,14 @@ def decode_attention_split_triton(
     m_part = torch.empty(r, h, n_chunks, device=q.device, dtype=torch.float32)  # [R, H, C]
     l_part = torch.empty_like(m_part)  # [R, H, C]
     _decode_kernel[(r, hkv, n_chunks)](
-        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part, acc_part, *(acc_part,) * 5,
+        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part, acc_part,
         scale * LOG2E,
         *q.stride(), *k_pool.stride(), *v_pool.stride(),
         *acc_part.stride(),
         *m_part.stride(),
-        0, 0, 0, 0, 0, 0, 0, 0, 0.0,
+        0, 0,
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype), GATE=False, PREP=False,
-        PREP_SPLIT=0, QK_NORM=False,
+        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype), GATE=False,
         num_warps=4, **pdl(q)
     )
     _decode_combine_kernel[(r, h)](

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
-from strata.kernels.attention import QKPrep, decode_attention_triton
+from strata.kernels.attention import decode_attention_triton
 from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
 from strata.kernels.moe import moe_triton
+from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights, Tensors
@@ -68,15 +69,15 @@ class TritonDecode:
     def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
         a = self.spec.attention
         r = x.shape[0]
-        # without an output gate every part of qkv is read by the attention kernel, which adds its split-K chunks as
-        # it loads them
+        # without an output gate every part of qkv is read by qk_prep, which adds its split-K chunks as it loads
         project = linear_triton if a.output_gate else linear_split
         q, k, v, gate = split_qkv(a, project(x, w["qkv"], w.get("qkv_bias")))
-        # one launch: q/k norms, rotary, each row's k and v into its own cell, the attention, and the output gate
-        # (Qwen3-Next) as the heads are stored
-        prep = QKPrep(k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, self.inv_freq, a.rotary_dim)
-        out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate, prep)
-        return linear_split(out.reshape(r, -1), w["o"])  # its chunks are added by the next norm
+        # q/k norms, rotary, and each row's k and v into its own cell: one launch
+        q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
+                           a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
+        # the output gate (Qwen3-Next) is applied as the heads are stored
+        out = decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate).reshape(r, -1)
+        return linear_split(out, w["o"])  # its chunks are added by the next norm
 
     def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
         g = self.spec.gdn
