@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_timing import copy_bandwidth, print_kernel_table  # noqa: E402
+from gpu_timing import copy_bandwidth, print_chain_table, print_kernel_table  # noqa: E402
 
 from strata.kernels.pdl import enabled as pdl_enabled  # noqa: E402
 
@@ -210,6 +210,8 @@ def main() -> None:
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8 "
                    "(with STRATA_PDL=0 in the environment each kernel's time is its own, not overlapped)")
+    p.add_argument("--chain", default="", help="row counts whose decode step is broken down by each kernel's share "
+                   "of the critical path (kernels overlapping as they run), per layer, e.g. 1")
     args = p.parse_args()
     device = "cuda"
 
@@ -247,7 +249,8 @@ def main() -> None:
         ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
         speed = f"{ours / ref:7.1f}x" if ref else f"{'-':>8}"
         print(f"{rows:>5} {ours:13.1f} {sampled:8.1f} {plain:13.1f} {no_pdl:8.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
-    for rows in [int(c) for c in args.profile.split(",") if c]:
+    for rows, chain in [(int(c), False) for c in args.profile.split(",") if c] + \
+            [(int(c), True) for c in args.chain.split(",") if c]:
         slots = engine.init_slots(rows)
         for i in range(rows):
             slots.admit(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
@@ -255,8 +258,11 @@ def main() -> None:
         for _ in range(2):  # capture
             slots.commit_slots(slots.run_slots())
         floor = step_bytes(engine, rows, args.prompt_len, distinct_experts(spec, rows)) / bw
-        print_kernel_table(lambda: slots.commit_slots(slots.run_slots()),
-                           f"decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)", top=20, steps=8)
+        title = f"decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)"
+        if chain:
+            print_chain_table(lambda: slots.commit_slots(slots.run_slots()), title, spec.num_layers)
+        else:
+            print_kernel_table(lambda: slots.commit_slots(slots.run_slots()), title, top=20, steps=8)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,44 @@ def print_kernel_table(run: Callable[[], None], title: str, top: int = 15, steps
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         t = e.self_device_time_total
         print(f"{e.key[:64]:64} {e.count / steps:8.1f} {t / steps:9.1f} {t / total:6.1%}")
+
+
+def print_chain_table(run: Callable[[], None], title: str, layers: int, steps: int = 4) -> None:
+    """Where a step's time goes along its chain of kernels when they overlap (programmatic dependent launch): each
+    kernel is charged the time from the end of the kernel before it to its own end (its share of the critical
+    path; a gap over 50 us is the host between steps, not chain), summed by name and printed per layer, next to
+    each kernel's own duration (which, launched early, includes its wait for the one before)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    finally:
+        os.unlink(path)
+    chain: dict[str, float] = {}
+    own: dict[str, float] = {}
+    count: dict[str, int] = {}
+    last_end = None
+    for e in events:
+        end, name = e["ts"] + e["dur"], e["name"][:48]
+        cost = e["dur"] if last_end is None else max(0.0, end - last_end)
+        chain[name] = chain.get(name, 0.0) + (e["dur"] if cost > 50 else cost)
+        own[name] = own.get(name, 0.0) + e["dur"]
+        count[name] = count.get(name, 0) + 1
+        last_end = end if last_end is None else max(last_end, end)
+    print(f"\n{title}: {sum(chain.values()) / steps:.1f} us of chain per step, {len(events) / steps:.0f} kernels per step")
+    print(f"{'kernel':48} {'per step':>8} {'chain us/layer':>15} {'own us/layer':>13}")
+    for name in sorted(chain, key=lambda n: -chain[n]):
+        print(f"{name:48} {count[name] / steps:8.1f} {chain[name] / steps / layers:15.2f} {own[name] / steps / layers:13.2f}")
