@@ -140,20 +140,16 @@ def load_rows(p, mask, s_chunk, SPLIT: tl.constexpr, TY: tl.constexpr):
 
 @triton.jit
 def sum_pairs(p_y, p_ids, i_r, o_n, m_n, E, H, K_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr):
-    """Row i_r's k pair outputs at columns o_n, added in ascending expert id (ties: in pair order; float32); ids
-    >= E are skipped. The k outputs are loaded in one go (one trip to memory, not k in turn), then added in that
-    order: the j-th is picked out of the tile as a sum of itself and zeros, which is itself exactly."""
+    """Row i_r's k pair outputs at columns o_n, added in ascending expert id (float32); ids >= E are skipped."""
     o_j = tl.arange(0, BLOCK_TOP)
     b_ids = tl.load(p_ids + i_r * K_TOP + o_j, mask=o_j < K_TOP, other=E)  # [BT], E in padding lanes
     b_ids = tl.minimum(b_ids, E)  # ids >= E: experts not held here, skipped like padding
-    m_held = b_ids < E
-    b_y = tl.load(p_y + (i_r * K_TOP + o_j).to(tl.int64)[:, None] * H + o_n[None, :],
-                  mask=m_held[:, None] & m_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
-    b_before = (b_ids[None, :] < b_ids[:, None]) | ((b_ids[None, :] == b_ids[:, None]) & (o_j[None, :] < o_j[:, None]))
-    b_rank = tl.sum(b_before.to(tl.int32), axis=1)  # [BT] each pair's place in ascending (id, pair) order
     b_out = tl.zeros(o_n.shape, dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
-        b_out += tl.sum(tl.where((b_rank == j)[:, None], b_y, 0.0), axis=0)
+    for _ in tl.static_range(K_TOP):
+        b_min = tl.min(b_ids, axis=0)
+        i_j = tl.min(tl.where(b_ids == b_min, o_j, BLOCK_TOP), axis=0)
+        b_ids = tl.where(o_j == i_j, E, b_ids)
+        b_out += tl.load(p_y + (i_r * K_TOP + i_j).to(tl.int64) * H + o_n, mask=m_n & (b_min < E), other=0.0)
     return b_out
 
 
