@@ -122,39 +122,3 @@ def test_no_rows():
     seq_ids = torch.zeros(0, dtype=torch.int32)
     out = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
     assert out.shape == (0, hv, dv)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("shape", [(3, 2, 4, 12, 20), (1, 1, 2, 16, 72)], ids=_id)
-def test_gates_and_output_norm_inside_the_step(shape, dtype):
-    """gdn_decode_triton(gates=..., out_norm=...): the step turns a and b into decay and beta itself and stores its
-    output through the gated RMSNorm; the same as gdn_gates_triton, the step, then gated_rms_norm_triton (the
-    gates bit for bit, the norm within a rounding: its sum in another order), and a row alone keeps its bits."""
-    from strata.kernels.elementwise import gdn_gates_triton
-    from strata.kernels.rmsnorm import gated_rms_norm_triton
-
-    r, hk, hv, dk, dv = shape
-    g = torch.Generator().manual_seed(r + dv)
-    seq_ids = torch.tensor(SEQS[r], dtype=torch.int32)
-    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, dtype)
-    mixed, _, _ = make_token(r, hk, hv, dk, dv, dtype, seed=3)
-    ab = torch.randn(r, 2 * hv, generator=g).to(dtype) * 3  # a and b as views of one projection
-    a, b = ab[:, :hv], ab[:, hv:]
-    neg_a, dt_bias = -torch.rand(hv, generator=g) - 0.1, torch.randn(hv, generator=g)
-    z = torch.randn(r, hv, dv, generator=g).to(dtype)
-    norm_w = torch.rand(dv, generator=g) + 0.5
-    pools = conv_pool.clone(), rec_pool.clone()
-    decay, beta = gdn_gates_triton(a, b, neg_a, dt_bias)
-    want = gated_rms_norm_triton(gdn_decode_triton(mixed, conv_w, *pools, seq_ids, decay, beta, hk, hv, dk, dv), z,
-                                 norm_w, 1e-6)
-    fused_pools = conv_pool.clone(), rec_pool.clone()
-    got = gdn_decode_triton(mixed, conv_w, *fused_pools, seq_ids, None, None, hk, hv, dk, dv,
-                            gates=(a, b, neg_a, dt_bias), out_norm=(z, norm_w, 1e-6))
-    assert torch.equal(fused_pools[0], pools[0]) and torch.equal(fused_pools[1], pools[1])  # the gates: same bits
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    row = r - 1
-    one = slice(row, row + 1)
-    alone_pools = conv_pool.clone(), rec_pool.clone()
-    alone = gdn_decode_triton(mixed[one], conv_w, *alone_pools, seq_ids[one], None, None, hk, hv, dk, dv,
-                              gates=(a[one], b[one], neg_a, dt_bias), out_norm=(z[one], norm_w, 1e-6))
-    assert torch.equal(alone[0], got[row])

@@ -162,18 +162,13 @@ def _conv_decode_kernel(
 
 @triton.jit
 def _rec_decode_kernel(
-    p_qkv, p_state, p_seq, p_decay, p_beta, p_o, p_neg_a, p_dt_bias, p_z, p_nw,
-    stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh, stride_zr,
-    stride_zh, eps,
+    p_qkv, p_state, p_seq, p_decay, p_beta, p_o,
+    stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr, NORM: tl.constexpr,
+    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile.
-
-    GATES: p_decay / p_beta are the projections a / b [R, Hv], turned into the step's decay and beta here as
-    `gdn_gates_triton` does. NORM (BLOCK_DV = DV): the head's output is stored through the gated RMSNorm
-    (rounded as stored, normalised with weight p_nw, times silu(z)), as `gated_rms_norm_triton` after it would."""
+    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile."""
     wait_for_prior(PDL)
     i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_r64 = i_r.to(tl.int64)
@@ -189,15 +184,8 @@ def _rec_decode_kernel(
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BLOCK_DV]
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * (DK ** -0.5)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    if GATES:  # gdn_gates_triton's arithmetic on this head's a and b
-        b_x = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32) + tl.load(p_dt_bias + i_h)
-        b_soft = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # F.softplus (threshold 20)
-        b_g = tl.load(p_neg_a + i_h) * b_soft
-        b_b = tl.load(p_beta + i_r64 * stride_beta + i_h)
-        b_beta = tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype).to(tl.float32)
-    else:
-        b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
-        b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
+    b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
+    b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
 
     p_s = p_state + i_s * stride_ss + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
@@ -206,20 +194,12 @@ def _rec_decode_kernel(
     b_s = b_s + b_k[:, None] * b_delta[None, :]
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BLOCK_DV]
     tl.store(p_s, b_s, mask=m_s)
-    ty = p_o.dtype.element_ty
-    if NORM:  # the gated norm of the head's output, as the norm kernel computes it from the stored output
-        b_y = tl.where(m_v, b_o.to(ty).to(tl.float32), 0.0)
-        b_rstd = tl.rsqrt(tl.sum(b_y * b_y, axis=0) / DV + eps)
-        b_y = b_y * b_rstd * tl.load(p_nw + o_v, mask=m_v, other=0.0)
-        b_z = tl.load(p_z + i_r64 * stride_zr + i_h * stride_zh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_o = b_y * (b_z / (1.0 + tl.exp(-b_z)))
-    tl.store(p_o + i_r64 * stride_or + i_h * stride_oh + o_v, b_o.to(ty), mask=m_v)
+    tl.store(p_o + i_r64 * stride_or + i_h * stride_oh + o_v, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
 
 def gdn_decode_triton(
     mixed: Tensor, conv_w: Tensor, conv_pool: Tensor, rec_pool: Tensor, seq_ids: Tensor,
-    decay: Tensor | None, beta: Tensor | None, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
-    gates: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out_norm: tuple[Tensor, Tensor, float] | None = None,
+    decay: Tensor, beta: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
 ) -> Tensor:
     """One decode token per row: short conv + silu, then one gated delta-rule step, on sequence seq_ids[r].
 
@@ -227,12 +207,6 @@ def gdn_decode_triton(
     conv_w: [C, K]; conv_pool: [S, K-1, C] and rec_pool: [S, Hv, Dk, Dv] float32, both updated IN PLACE
     (innermost dim contiguous); seq_ids: [R] int32, distinct; decay (log decay), beta: [R, Hv].
     Returns [R, Hv, Dv] in mixed's dtype, as `causal_conv1d` + `gated_delta_rule_step` would row by row.
-
-    `gates` (a, b, neg_a, dt_bias) instead of decay and beta: the projections [R, Hv] (unit column stride) and
-    the gate parameters [Hv] float32, turned into decay and beta inside the step (`gdn_gates_triton`'s
-    arithmetic, no launch of its own). `out_norm` (z [R, Hv, Dv], weight [Dv] float32, eps): the output goes
-    through the gated RMSNorm (`gated_rms_norm_triton`'s roundings; its sum in the step's own order) before it
-    is returned.
     """
     num_rows, num_channels = mixed.shape
     num_taps = conv_w.shape[1]
@@ -243,18 +217,9 @@ def gdn_decode_triton(
     assert conv_pool.shape[1:] == (num_taps - 1, num_channels), conv_pool.shape
     assert rec_pool.shape[1:] == (num_v_heads, k_head_dim, v_head_dim), rec_pool.shape
     assert rec_pool.dtype == torch.float32, rec_pool.dtype
-    if gates is not None:
-        assert decay is None and beta is None, "decay and beta, or the gates they come from"
-        decay, beta, neg_a, dt_bias = gates  # the kernel reads a and b where it would read decay and beta
-        assert neg_a.shape == dt_bias.shape == (num_v_heads,) and neg_a.dtype == dt_bias.dtype == torch.float32
-        neg_a, dt_bias = neg_a.contiguous(), dt_bias.contiguous()
     assert decay.shape == beta.shape == (num_rows, num_v_heads), (decay.shape, beta.shape)
     assert mixed.stride(1) == 1 and conv_pool.stride(2) == 1 and rec_pool.stride(3) == 1
     assert conv_w.stride(1) == 1 and decay.stride(1) == 1 and beta.stride(1) == 1 and seq_ids.is_contiguous()
-    if out_norm is not None:
-        z, norm_w, eps = out_norm
-        assert z.shape == (num_rows, num_v_heads, v_head_dim) and z.stride(2) == 1, z.shape
-        assert norm_w.shape == (v_head_dim,) and norm_w.dtype == torch.float32
     out = torch.empty(num_rows, num_v_heads, v_head_dim, device=mixed.device, dtype=mixed.dtype)  # [R, Hv, Dv]
     if num_rows == 0:
         return out
@@ -266,20 +231,13 @@ def gdn_decode_triton(
         K=num_taps, BLOCK_C=CONV_BLOCK_C, **pdl(mixed),
     )  # fmt: skip
 
-    # the gated norm needs a head's whole output in one program
-    block_dv = triton.next_power_of_2(v_head_dim) if out_norm is not None else \
-        min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
-    g_args = (neg_a, dt_bias) if gates is not None else (out, out)
-    n_args = (z, norm_w) if out_norm is not None else (out, out)
+    block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
     _rec_decode_kernel[(num_rows, num_v_heads, triton.cdiv(v_head_dim, block_dv))](
-        conv_out, rec_pool, seq_ids, decay, beta, out, *g_args, *n_args,
+        conv_out, rec_pool, seq_ids, decay, beta, out,
         conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
         decay.stride(0), beta.stride(0), out.stride(0), out.stride(1),
-        z.stride(0) if out_norm is not None else 0, z.stride(1) if out_norm is not None else 0,
-        eps if out_norm is not None else 0.0,
         GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
-        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, GATES=gates is not None,
-        NORM=out_norm is not None, num_warps=8 if block_dv > REC_MAX_BLOCK_DV else 4, **pdl(mixed),
+        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, **pdl(mixed),
     )  # fmt: skip
     return out
 

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_triton
-from strata.kernels.elementwise import silu_mul_triton
+from strata.kernels.elementwise import gdn_gates_triton, silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
 from strata.kernels.moe import moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
-from strata.kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
+from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights, Tensors
 from strata.runtime.forward import split_qkv
@@ -84,11 +84,10 @@ class TritonDecode:
         r = x.shape[0]
         proj = linear_triton(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        # the gates (decay, beta) and the output's gated norm are computed inside the step's kernel
-        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, None, None,
-                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
-                                gates=(a, b, w["neg_a"], w["dt_bias"]),
-                                out_norm=(z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps))
+        decay, beta = gdn_gates_triton(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv] each
+        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
+                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
+        out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
         return linear_split(out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:
