@@ -148,17 +148,20 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
     b_p = tl.where(m_e, b_p, float("-inf"))
     b_p = tl.exp(b_p - tl.max(b_p, axis=0))
     b_p = b_p / tl.sum(b_p, axis=0)
-    b_p = tl.where(m_e, b_p, -1.0)  # padding lanes are never picked
+    # Each lane's key: its probability's bits above (BLOCK_E - 1 - lane), so one max over the keys gives the
+    # largest probability and, among equal ones, the lowest expert id (probabilities are >= 0: their bits order as
+    # the floats do). Padding lanes and lanes already picked hold key -1 and are never picked.
+    b_key = tl.where(m_e, (b_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - o_e), -1)
     o_j = tl.arange(0, BLOCK_TOP)
     b_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
     b_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-    for j in tl.static_range(K_TOP):
-        b_max = tl.max(b_p, axis=0)
-        i_e = tl.min(tl.where(b_p == b_max, o_e, BLOCK_E), axis=0)  # ties -> lowest expert id
-        i_e = tl.minimum(i_e, E - 1)  # NaN logits match nothing: keep the id inside the expert table
+    for j in tl.static_range(K_TOP):  # one reduction a round
+        b_top = tl.max(b_key, axis=0)
+        i_e = tl.minimum(BLOCK_E - 1 - (b_top & 0xFFFFFFFF).to(tl.int32), E - 1)  # (a NaN row: keep ids in range)
+        b_max = (b_top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         b_w = tl.where(o_j == j, b_max, b_w)
         b_i = tl.where(o_j == j, i_e, b_i)
-        b_p = tl.where(o_e == i_e, -1.0, b_p)
+        b_key = tl.where(o_e == i_e, -1, b_key)
     if NORM_TOPK:
         b_w = b_w / tl.sum(b_w, axis=0)
     n_pairs = K_TOP + (SHARED > 0)
