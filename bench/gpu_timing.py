@@ -129,7 +129,9 @@ def print_chain_table(run: Callable[[], None], title: str, layers: int, steps: i
         own[name] = own.get(name, 0.0) + e["dur"]
         count[name] = count.get(name, 0) + 1
         last_end = end if last_end is None else max(last_end, end)
-    print(f"\n{title}: {sum(chain.values()) / steps:.1f} us of chain per step, {len(events) / steps:.0f} kernels per step")
+    print(f"\n{title}: {sum(chain.values()) / steps:.1f} us of chain per step, "
+          f"{len(events) / steps:.0f} kernels per step")
     print(f"{'kernel':48} {'per step':>8} {'chain us/layer':>15} {'own us/layer':>13}")
     for name in sorted(chain, key=lambda n: -chain[n]):
-        print(f"{name:48} {count[name] / steps:8.1f} {chain[name] / steps / layers:15.2f} {own[name] / steps / layers:13.2f}")
+        print(f"{name:48} {count[name] / steps:8.1f} {chain[name] / steps / layers:15.2f} "
+              f"{own[name] / steps / layers:13.2f}")

@@ -28,7 +28,8 @@ from shapes import shape  # noqa: E402
 from strata.kernels.moe import DECODE_TILES, PROMPT_TILES, ExpertTiles, fused_experts_triton, route_triton  # noqa: E402
 
 CANDIDATES = [
-    DECODE_TILES,  # the one in use
+    DECODE_TILES,  # the one in use: gate_up and down in one launch (handoff)
+    replace(DECODE_TILES, handoff=False),  # the same tiles in two launches (seventh session: 8 rows 125.1 vs 119.2 us)
     ExpertTiles(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3),  # the first choice
     ExpertTiles(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=3),
     ExpertTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
@@ -41,8 +42,10 @@ CANDIDATES = [
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=256),
     ExpertTiles(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4, down_n=64, down_k=128),
     ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4),
-    replace(DECODE_TILES, tma=True),  # weight tiles by tensor descriptors: within 1 % at 1 / 8 / 64 rows (sixth)
-    replace(DECODE_TILES, persistent=2),  # tiles walked by 2 programs / SM: 1 row -1 %, 8 rows +7 %, 64 +4 % (sixth)
+    # weight tiles by tensor descriptors: within 1 % at 1 / 8 / 64 rows (sixth session)
+    replace(DECODE_TILES, tma=True, handoff=False),
+    # tiles walked by 2 programs / SM: 1 row -1 %, 8 rows +7 %, 64 +4 % (sixth session)
+    replace(DECODE_TILES, persistent=2, handoff=False),
 ]
 PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/PERFORMANCE.md)
     PROMPT_TILES,  # the one in use: weight tiles by tensor descriptors, gate_up 4 stages, down walked, pairs bf16
@@ -61,7 +64,9 @@ def _label(t: ExpertTiles) -> str:
     pairs = " bf16 pairs" if t.round_pairs else ""
     tma = " tma" if t.tma else ""
     down_stages = f" down stages {t.down_stages}" if t.down_stages else ""
-    return f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}{down_stages}{walk}{pairs}{tma}"
+    handoff = " one launch" if t.handoff else ""
+    return (f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{down}{down_stages}{walk}{pairs}{tma}"
+            f"{handoff}")
 
 
 def main() -> None:
@@ -97,6 +102,7 @@ def main() -> None:
             tb = distinct * per_expert / sec / 1e12
             parts = kernel_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t))
             gu, dn = parts.pop("_gate_up_kernel", 0.0), parts.pop("_down_kernel", 0.0)
+            gu += parts.pop("_experts_kernel", 0.0)  # one launch for both: counted under gate_up
             print(f"{rows:4d} {_label(t):>64} "
                   f"{sec * 1e6:8.1f} {floor * 1e6:9.1f} {tb:6.2f} {tb * 1e12 / bw:8.0%} {floor / sec:9.0%} "
                   f"{gu * 1e6:10.1f} {dn * 1e6:8.1f} {sum(parts.values()) * 1e6:9.1f}")
