@@ -661,7 +661,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
                          down: torch.Tensor, tiles: ExpertTiles = DECODE_TILES, defer: bool = False,
                          shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                          layout: tuple | None = None) -> torch.Tensor | PairSum:
-    """`routed_experts` in three launches: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I].
+    """`routed_experts` on the device: x [R, H]; weights, ids [R, k]; gate_up [E, 2I, H]; down [E, H, I]. The pairs'
+    tile layout, then the gate_up and the down products (one launch each, or one for both: `ExpertTiles.handoff`).
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
     A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES.
