@@ -203,9 +203,9 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
 
 
 def route_warps(num_experts: int) -> int:
-    """Warps of a routing program: its top-k is k rounds of two reductions over the experts, latency-bound, and one
-    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). The sum order depends
-    on it, so every routing kernel uses this rule."""
+    """Warps of a routing program: its top-k is k rounds of a reduction over the experts, latency-bound, and one
+    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). The softmax's sum order
+    depends on it, so every routing kernel uses this rule."""
     return 1 if num_experts <= 256 else 2
 
 
