@@ -8,9 +8,11 @@ shared with Strata's, not copied), and the step's roofline: measured copy bandwi
 must read (dense weights, the distinct experts its rows actually routed to, the K/V cells and GDN states).
 Before timing it checks that a row's logits are bitwise the same alone and in a batch, that greedy
 conversations in a batch equal their solo runs, and whether seeded sampling repeats itself run to run.
+`--chain 1` then breaks a 1-row step down by each kernel's share of its critical path, per layer (`--profile 1`:
+by each kernel's own GPU time, which overlaps the next kernel's under programmatic dependent launch).
 
     python bench/decode.py --shape qwen3-30b-a3b --concurrency 1,8,32,64
-    python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64
+    python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64 --chain 1
 """
 
 from __future__ import annotations
