@@ -1,8 +1,9 @@
 """Tile choices of the routed experts' grouped GEMMs for decode and prompt windows, against their floors.
 
 At 1 to 64 rows a decode window's experts are bound by reading the routed experts' weights: this times
-`fused_experts_triton` with several `ExpertTiles` at a real shape and prints each one's achieved bandwidth
-against the measured copy bandwidth (the floor is the distinct experts' bytes at that rate). The chosen
+`fused_experts_triton` with several `ExpertTiles` at a real shape (replayed from a CUDA graph over three copies of
+the experts, so the weights come from memory, not L2) and prints each one's achieved bandwidth against the
+measured copy bandwidth (the floor is the distinct experts' bytes at that rate). The chosen
 DECODE_TILES must be one configuration for every row count (a row's bits depend on the tiles). With `--prompt`
 it times PROMPT_TILES' candidates on a prompt's rows (eagerly, as prompt windows run), where the floor is the
 larger of the weights' bytes at the copy rate and the products' FLOPs at the measured bf16 matmul rate.
@@ -78,8 +79,13 @@ def main() -> None:
     spec = shape(args.shape)
     m, h = spec.moe, spec.hidden_size
     dev, dt = "cuda", torch.bfloat16
-    gate_up = torch.randn(m.num_experts, 2 * m.expert_dim, h, device=dev, dtype=dt) / h**0.5
-    down = torch.randn(m.num_experts, h, m.expert_dim, device=dev, dtype=dt) / m.expert_dim**0.5
+    # decode windows read each layer's experts from memory: the timed graph cycles through copies (together more
+    # than the L2 cache), as a step cycles through its layers
+    copies = 1 if args.prompt else 3
+    experts = [(torch.randn(m.num_experts, 2 * m.expert_dim, h, device=dev, dtype=dt) / h**0.5,
+                torch.randn(m.num_experts, h, m.expert_dim, device=dev, dtype=dt) / m.expert_dim**0.5)
+               for _ in range(copies)]
+    gate_up, down = experts[0]
     bw, flops = copy_bandwidth(dev), matmul_rate(dev)
     per_expert = 3 * m.expert_dim * h * 2
     print(f"{args.shape} experts ({m.num_experts} x [{2 * m.expert_dim}, {h}] + [{h}, {m.expert_dim}]), bf16, "
@@ -93,8 +99,8 @@ def main() -> None:
         floor = max(distinct * per_expert / bw, rows * m.top_k * 3 * 2 * m.expert_dim * h / flops)
         for t in PROMPT_CANDIDATES if args.prompt else CANDIDATES:
             try:
-                sec = gpu_seconds(lambda: fused_experts_triton(x, weights, ids, gate_up, down, t), reps=20,
-                                  graph=not args.prompt)
+                sec = gpu_seconds(lambda: [fused_experts_triton(x, weights, ids, g, d, t) for g, d in experts],
+                                  reps=20, graph=not args.prompt) / copies
             except Exception as e:  # noqa: BLE001 - a configuration the GPU cannot run is reported, not fatal
                 print(f"{rows:4d} {_label(t):>64} failed: "
                       f"{type(e).__name__}")
