@@ -1,9 +1,10 @@
-"""Compiles the decode windows' Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU.
+"""Compiles the engine's Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU.
 
 Triton's interpreter, which the CPU tests run the kernels under, does not type-check a kernel the way its compiler
 does: a kernel can pass every interpreted test and still fail to compile on the GPU (a loop-carried variable whose
-type changes, a name reused for a tensor of another shape). This compiles each decode kernel at the
-configurations the engine launches for the Qwen3-30B-A3B and Qwen3-Next shapes, through Triton's own pipeline and
+type changes, a name reused for a tensor of another shape). This compiles each decode kernel, and the prompt
+windows' attention, GDN, tile layout and expert kernels (their pointer-load path), at the configurations the
+engine launches for the Qwen3-30B-A3B and Qwen3-Next shapes, through Triton's own pipeline and
 the `ptxas` it ships, and reports each one's registers, spill bytes and shared memory.
 
 Arguments are typed as the just-in-time compiler specializes them at run time: pointers 16-byte aligned, integers
@@ -79,7 +80,8 @@ def _ptxas_usage(ptx: str) -> dict:
 
 
 def cases():
-    """(label, kernel, compile_sm90 keyword arguments) for the kernels of a decode window of the two shapes."""
+    """(label, "decode" or "prompt", kernel, compile_sm90 keyword arguments) for the kernels of the two shapes'
+    decode and prompt windows."""
     import torch
     import triton
     import triton.language as tl
@@ -167,15 +169,51 @@ def cases():
         constexprs=dict(BLOCK=32, **pdl), pointers=dict(p_neg_a=f32, p_dt_bias=f32, p_decay=f32), plain=("HV",))))
     out.append(("_sigmoid_gate_add_kernel", elementwise._sigmoid_gate_add_kernel, dict(
         constexprs=dict(BLOCK=1024, **pdl))))
-    return out
+    decode = len(out)
+    for d, g in [(128, 8), (256, 8)]:
+        block_m, block_n, warps, stages = attention.prefill_tiles(d)
+        out.append((f"_prefill_kernel D={d}", attention._prefill_kernel, dict(
+            constexprs=dict(G=g, D=d, BLOCK_M=block_m, BLOCK_D=attention._block_d(d), BLOCK_N=block_n,
+                            DOT_PRECISION="tf32"),
+            pointers={p: "bf16" for p in ("q", "k_cells", "v_cells", "out")} | dict(positions="i32"),
+            plain=("T",), ones=("s_qd", "s_kd", "s_vd", "s_od"), num_warps=warps, num_stages=stages)))
+    out.append(("_conv_prefill_kernel", gdn._conv_prefill_kernel, dict(
+        constexprs=dict(K=4, BLOCK_T=gdn.CONV_PREFILL_BLOCK_T, BLOCK_C=gdn.CONV_PREFILL_BLOCK_C, BLOCK_H=4),
+        plain=("T",))))
+    chunk = 64
+    out.append(("_gdn_chunk_prep_kernel", gdn._gdn_chunk_prep_kernel, dict(
+        constexprs=dict(GROUP=2, DK=128, DV=128, BT=chunk, BLOCK_DK=128, BLOCK_DV=gdn.PREP_MAX_BLOCK_DV,
+                        PRECISION="tf32", SUB=gdn.SOLVE_BLOCK),
+        pointers=dict(p_g=f32, p_gl=f32), plain=("T",), num_warps=gdn.PREP_WARPS)))
+    out.append(("_gdn_chunk_state_kernel", gdn._gdn_chunk_state_kernel, dict(
+        constexprs=dict(DK=128, DV=128, BT=chunk, BLOCK_DK=128, BLOCK_DV=gdn.STATE_MAX_BLOCK_DV, PRECISION="tf32"),
+        pointers=dict(p_gl=f32, p_s0=f32, p_s=f32), plain=("T", "num_chunks"), num_stages=2)))
+    counts = dict(p_ids="i32", p_counts="i32", p_off="i32", p_expert="i32", p_used="i32", p_pair="i32")
+    out.append(("_tile_counts_kernel", moe._tile_counts_kernel, dict(
+        constexprs=dict(CHUNK=moe.LAYOUT_CHUNK, BLOCK_E=1024), pointers=counts, plain=("P", "E"))))
+    out.append(("_tile_offsets_kernel", moe._tile_offsets_kernel, dict(
+        constexprs=dict(BM=128, BLOCK_E=1024), pointers=counts, plain=("E", "NUM_CHUNKS"), num_warps=4)))
+    out.append(("_tile_slots_kernel", moe._tile_slots_kernel, dict(
+        constexprs=dict(CHUNK=moe.LAYOUT_CHUNK, PAIR_BITS=moe.LAYOUT_CHUNK.bit_length() - 1), pointers=counts,
+        plain=("P", "E"), num_warps=8)))
+    pt = moe.PROMPT_TILES  # with pointer loads (the descriptors' path takes tensor-descriptor arguments)
+    prompt_tiles = dict(BLOCK_M=pt.block_m, BLOCK_K=pt.block_k, SHARED=False, TMA=False)
+    out.append(("_gate_up_kernel (prompt tiles)", moe._gate_up_kernel, dict(
+        constexprs=dict(K_TOP=8, BLOCK_N=pt.block_n, PERSISTENT=False, **prompt_tiles, PDL=False),
+        pointers=expert_ptrs, plain=("P", "E"), ones=("s_wk",), num_warps=pt.num_warps, num_stages=pt.num_stages)))
+    out.append(("_down_kernel (prompt tiles, walked)", moe._down_kernel, dict(
+        constexprs=dict(BLOCK_N=pt.down_n, PERSISTENT=True, **prompt_tiles, PDL=False),
+        pointers=dict(expert_ptrs, p_y="bf16"), plain=("P", "E"), ones=("s_wk",), num_warps=pt.num_warps,
+        num_stages=pt.down_stages)))
+    return [(label, "decode" if i < decode else "prompt", kernel, kw) for i, (label, kernel, kw) in enumerate(out)]
 
 
 def main() -> None:
-    for label, kernel, kw in cases():
+    for label, window, kernel, kw in cases():
         try:
-            result = dict(kernel=label, **compile_sm90(kernel, **kw))
+            result = dict(kernel=label, window=window, **compile_sm90(kernel, **kw))
         except Exception as e:  # noqa: BLE001 - reported per kernel, the caller decides
-            result = dict(kernel=label, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+            result = dict(kernel=label, window=window, error=f"{type(e).__name__}: {str(e)[-2000:]}")
         print(json.dumps(result), flush=True)
 
 

@@ -1,6 +1,8 @@
-"""The decode windows' Triton kernels compile for an H100 / H200 (sm_90) at the engine's configurations, with no
-register spills: the interpreter the other kernel tests run under does not type-check a kernel as the compiler
-does (`tests/sm90_compile.py` says more). Runs the compiler in a process of its own, without the interpreter."""
+"""The engine's Triton kernels compile for an H100 / H200 (sm_90) at the engine's configurations, the decode
+windows' ones with no register spills (latency-bound: a spill is a trip to memory on the critical path; some prompt
+kernels spill a little by choice, see strata/kernels/gdn.py): the interpreter the other kernel tests run under does
+not type-check a kernel as the compiler does (`tests/sm90_compile.py` says more). Runs the compiler in a process of
+its own, without the interpreter."""
 
 import json
 import os
@@ -9,15 +11,15 @@ import sys
 from pathlib import Path
 
 
-def test_decode_kernels_compile_for_sm90_without_spills():
+def test_kernels_compile_for_sm90_and_decode_kernels_do_not_spill():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) >= 25, run.stdout
+    assert len(results) >= 35 and {r["window"] for r in results} == {"decode", "prompt"}, run.stdout
     failed = {r["kernel"]: r["error"] for r in results if "error" in r}
     assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
-    spilled = {r["kernel"]: r["spill_bytes"] for r in results if r["spill_bytes"]}
+    spilled = {r["kernel"]: r["spill_bytes"] for r in results if r["window"] == "decode" and r["spill_bytes"]}
     assert not spilled, f"register spills (bytes stored + loaded): {spilled}"
     assert all(0 < r["regs"] <= 255 for r in results)

@@ -250,9 +250,10 @@ PREP_MAX_BLOCK_DV = 64  # Dv block of the per-chunk pass (u = T @ beta v, Dv wal
 SOLVE_BLOCK = 16  # rows of the diagonal blocks the per-chunk pass inverts by substitution (the chunk size: all)
 PREP_WARPS = 2  # warps of the per-chunk pass (its substitution steps each reduce across the warps)
 STATE_MAX_BLOCK_DV = 32  # Dv block of the sequential pass: Hv * Dv/32 programs (128 for 32 heads of 128)
-# Compiled offline for sm_90 (Triton 3.8, Dk = Dv = 128, chunk 64, bfloat16): the per-chunk pass spills at 4 warps,
-# not at 8; the sequential pass uses 64 KiB of shared memory and no spills at 4 warps (float32 inputs: IEEE
-# dots, one stage, so that its shared memory fits).
+# Compiled offline for sm_90 (tests/sm90_compile.py; Triton 3.8, Dk = Dv = 128, chunk 64, bfloat16): the per-chunk
+# pass spills 3,476 bytes at 2 warps, 352 at 4, none at 8, and 2 warps were the fastest on an H200 all the same
+# (sixth session); the sequential pass has no spills at 4 warps, 128 KiB of shared memory at 2 stages (16-bit
+# inputs), 64 KiB at one (float32 inputs: IEEE dots, one stage, so that its shared memory fits).
 
 
 @triton.jit
