@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 
-def test_kernels_compile_for_sm90_and_decode_kernels_do_not_spill():
+def test_kernels_compile_for_sm90_and_decode_kernels_do_not_spill(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled afresh, into a directory the test owns
     script = Path(__file__).with_name("sm90_compile.py")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
