@@ -722,14 +722,13 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
             x, gate_up, s_gate_up, h, down, s_down, route, y, pair_of_slot, expert_of_block, done, P, E, H, I,
             x.stride(0), *gate_up.stride(), *down.stride(), gate_up_programs, K_TOP=k, DOWN_N=t_down["BLOCK_N"],
             DOWN_K=t_down["BLOCK_K"], **t, **pdl(x))
-        pairs = PairSum(y, ids, held, x.dtype)
-        return pairs if defer else combine_triton(pairs, tiles.combine_n)
-    _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
-        x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0), *gate_up.stride(),
-        K_TOP=k, PERSISTENT=tiles.persistent > 0, TMA=tma, **t, **pdl(x))
-    _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
-        h, w_down, s_down, route, y, pair_of_slot, expert_of_block, used, P, E, H, I,
-        *down.stride(), TMA=tma, **t_down, **pdl(x))
+    else:
+        _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
+            x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0),
+            *gate_up.stride(), K_TOP=k, PERSISTENT=tiles.persistent > 0, TMA=tma, **t, **pdl(x))
+        _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
+            h, w_down, s_down, route, y, pair_of_slot, expert_of_block, used, P, E, H, I,
+            *down.stride(), TMA=tma, **t_down, **pdl(x))
     pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
@@ -754,16 +753,15 @@ def moe_triton(
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
     roundings than the separate products (the same for a row whatever shares its window)."""
     logits = linear(x, router)
+    as_pair = shared is not None and shared_pair and shared_fits(shared, gate_up, down)
+    mode = ("gated" if shared_gate is not None else "plain") if as_pair else None
     # a window of a row or two: the routing program lays the tiles out too (one launch fewer)
     lay = (tiles.block_m, True) if tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS else None
-    if shared is not None and shared_pair and shared_fits(shared, gate_up, down):
-        *routed, layout = route_triton(logits, top_k, norm_topk, "gated" if shared_gate is not None else "plain", x,
-                                       shared_gate, layout=lay) + (None,) * (lay is None)
-        pairs = fused_experts_triton(x, *routed, gate_up, down, tiles, defer=True, shared=shared, layout=layout)
-        return pairs if defer else combine_triton(pairs, tiles.combine_n)
-    *routed, layout = route_triton(logits, top_k, norm_topk, layout=lay) + (None,) * (lay is None)
-    pairs = fused_experts_triton(x, *routed, gate_up, down, tiles, defer=True, layout=layout)
-    if shared is not None:
+    routed = route_triton(logits, top_k, norm_topk, mode, x, shared_gate, layout=lay)
+    weights, ids, layout = routed if lay is not None else (*routed, None)
+    pairs = fused_experts_triton(x, weights, ids, gate_up, down, tiles, defer=True, shared=shared if as_pair else None,
+                                 layout=layout)
+    if shared is not None and not as_pair:
         s = linear(silu_mul_triton(linear(x, shared[0])), shared[1])
         g = linear(x, shared_gate) if shared_gate is not None else None
         pairs = replace(pairs, shared=s, shared_gate=g)
