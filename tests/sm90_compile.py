@@ -150,11 +150,11 @@ def cases():
     norm_ptrs = dict(p_h=f32, p_ids="i32", p_w=f32)
     out.append(("_add_rms_norm_kernel (expert pairs)", rmsnorm._add_rms_norm_kernel, dict(
         constexprs=dict(PAIRS=True, SPLIT=0, K_TOP=8, BLOCK_TOP=8, SHARED=0, SPLIT_S=0, SPLIT_G=0, BLOCK=2048, **pdl),
-        pointers=norm_ptrs, plain=("E",), num_warps=rmsnorm.add_norm_warps(2048))))
+        pointers=norm_ptrs, plain=("E",), num_warps=rmsnorm.add_norm_warps(2048, decode=True))))
     out.append(("_add_rms_norm_kernel (split-K chunks)", rmsnorm._add_rms_norm_kernel, dict(
         constexprs=dict(PAIRS=False, SPLIT=4, K_TOP=1, BLOCK_TOP=1, SHARED=0, SPLIT_S=0, SPLIT_G=0, BLOCK=2048,
                         **pdl),
-        pointers=norm_ptrs, plain=("E",), num_warps=rmsnorm.add_norm_warps(2048))))
+        pointers=norm_ptrs, plain=("E",), num_warps=rmsnorm.add_norm_warps(2048, decode=True))))
     out.append(("_rms_norm_kernel gated [32, 128]", rmsnorm._rms_norm_kernel, dict(
         constexprs=dict(BLOCK=128, GATED=True, HEADS=1, **pdl), pointers=dict(p_w=f32),
         plain=("H",), num_warps=rmsnorm.norm_warps(128))))

@@ -64,7 +64,7 @@ class TritonDecode:
         left unfinished by the block before (a `SplitSum` or `PairSum`): the norm adds it up."""
         if h is None:
             return rms_norm_triton(x, weight, self.spec.rms_eps), x
-        return add_rms_norm_triton(h, x, weight, self.spec.rms_eps)
+        return add_rms_norm_triton(h, x, weight, self.spec.rms_eps, decode=True)
 
     def _attention(self, i: int, w: Tensors, x, pool: StatePool, positions, seq_ids) -> torch.Tensor:
         a = self.spec.attention
