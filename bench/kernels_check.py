@@ -60,9 +60,11 @@ def check_linear() -> None:
 def check_norms_and_rope() -> None:
     x, res, w = rand(33, 2048), rand(33, 2048), torch.rand(2048, device=DEV) + 0.5
     report("rms_norm_triton [33, 2048]", rel(rms_norm_triton(x, w, 1e-6), rms_norm(x.float(), w, 1e-6)))
-    got, got_res = add_rms_norm_triton(x, res, w, 1e-6)
     want, want_res = add_rms_norm(x.float(), res.float(), w, 1e-6)
-    report("add_rms_norm_triton (normed, residual)", max(rel(got, want), rel(got_res, want_res)))
+    for decode in (False, True):  # a decode window's norm runs on other warps (another sum order)
+        got, got_res = add_rms_norm_triton(x, res, w, 1e-6, decode=decode)
+        report(f"add_rms_norm_triton (normed, residual){' decode' if decode else ''}",
+               max(rel(got, want), rel(got_res, want_res)))
     for d, rot in [(128, 128), (256, 64)]:
         q, pos = rand(17, 16, d), torch.arange(100, 117, device=DEV)
         inv = rope_inv_freq(rot, 1e6, DEV)

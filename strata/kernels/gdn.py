@@ -250,6 +250,7 @@ PREP_MAX_BLOCK_DV = 64  # Dv block of the per-chunk pass (u = T @ beta v, Dv wal
 SOLVE_BLOCK = 16  # rows of the diagonal blocks the per-chunk pass inverts by substitution (the chunk size: all)
 PREP_WARPS = 2  # warps of the per-chunk pass (its substitution steps each reduce across the warps)
 STATE_MAX_BLOCK_DV = 32  # Dv block of the sequential pass: Hv * Dv/32 programs (128 for 32 heads of 128)
+STATE_WARPS = 4  # warps of the sequential pass
 # Compiled offline for sm_90 (tests/sm90_compile.py; Triton 3.8, Dk = Dv = 128, chunk 64, bfloat16): the per-chunk
 # pass spills 3,476 bytes at 2 warps, 352 at 4, none at 8, and 2 warps were the fastest on an H200 all the same
 # (sixth session); the sequential pass has no spills at 4 warps, 128 KiB of shared memory at 2 stages (16-bit
@@ -503,6 +504,6 @@ def gated_delta_rule_chunked_triton(q, k, v, g, beta, state, chunk_size: int = 6
         w, u, q_decayed, k_decayed, attn, chunk_decay, state, out, new_state,
         num_tokens, num_chunks, out.stride(0), out.stride(1),
         DK=head_k_dim, DV=head_v_dim, BT=chunk_size, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PRECISION=precision,
-        num_warps=4, num_stages=1 if q.dtype == torch.float32 else 2,
+        num_warps=STATE_WARPS, num_stages=1 if q.dtype == torch.float32 else 2,
     )  # fmt: skip
     return out, new_state
