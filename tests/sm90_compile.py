@@ -160,9 +160,10 @@ def cases():
         plain=("H",), num_warps=rmsnorm.norm_warps(128))))
     out.append(("_conv_decode_kernel", gdn._conv_decode_kernel, dict(
         constexprs=dict(K=4, BLOCK_C=gdn.CONV_BLOCK_C, **pdl), pointers=dict(p_seq="i32"))))
-    out.append(("_rec_decode_kernel", gdn._rec_decode_kernel, dict(
-        constexprs=dict(GROUP=2, DK=128, DV=128, KEY_DIM=2048, BLOCK_DK=128, BLOCK_DV=gdn.REC_MAX_BLOCK_DV, **pdl),
-        pointers=dict(p_state=f32, p_seq="i32", p_decay=f32))))
+    out.append(("_rec_decode_kernel (gates made inside)", gdn._rec_decode_kernel, dict(
+        constexprs=dict(GROUP=2, DK=128, DV=128, KEY_DIM=2048, BLOCK_DK=128, BLOCK_DV=gdn.REC_MAX_BLOCK_DV,
+                        GATES=True, **pdl),
+        pointers=dict(p_state=f32, p_seq="i32", p_neg_a=f32, p_dt_bias=f32))))
     out.append(("_silu_mul_kernel", elementwise._silu_mul_kernel, dict(
         constexprs=dict(SPLIT=2, BLOCK=1024, **pdl), pointers=dict(p_in=f32))))
     out.append(("_gdn_gates_kernel", elementwise._gdn_gates_kernel, dict(

@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from strata.kernels.elementwise import gdn_gates_triton  # noqa: E402
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_step, gdn_decode_triton  # noqa: E402
 
 K, S = 4, 6
@@ -122,3 +123,26 @@ def test_no_rows():
     seq_ids = torch.zeros(0, dtype=torch.int32)
     out = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
     assert out.shape == (0, hv, dv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=[_id(s) for s in SHAPES[:3]])
+def test_decode_step_makes_its_gates_as_the_gates_kernel(shape, dtype):
+    """gdn_decode_triton(gates=(a, b, neg_a, dt_bias)): the step makes each head's log decay and beta from the
+    projections itself; the output and both pools are bitwise those of gdn_gates_triton followed by the step."""
+    r, hk, hv, dk, dv = shape
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, dtype)
+    mixed, _, _ = make_token(r, hk, hv, dk, dv, dtype, seed=3)
+    gen = torch.Generator().manual_seed(7)
+    ab = torch.randn(r, 2 * hv + 1, generator=gen).to(dtype)  # a and b as strided views of one projection
+    a, b = ab[:, :hv], ab[:, hv : 2 * hv]
+    neg_a, dt_bias = -torch.rand(hv, generator=gen) - 0.1, torch.randn(hv, generator=gen)
+    a[0, 0] = 30.0  # past softplus's threshold
+    seq_ids = torch.tensor(SEQS[r], dtype=torch.int32)
+    pools = [(conv_pool.clone(), rec_pool.clone()) for _ in range(2)]
+    decay, beta = gdn_gates_triton(a, b, neg_a, dt_bias)
+    want = gdn_decode_triton(mixed, conv_w, *pools[0], seq_ids, decay, beta, hk, hv, dk, dv)
+    got = gdn_decode_triton(mixed, conv_w, *pools[1], seq_ids, None, None, hk, hv, dk, dv,
+                            gates=(a, b, neg_a, dt_bias))
+    assert torch.equal(got, want)
+    assert torch.equal(pools[1][0], pools[0][0]) and torch.equal(pools[1][1], pools[0][1])

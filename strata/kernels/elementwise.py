@@ -74,12 +74,21 @@ def _gdn_gates_kernel(p_a, p_b, p_neg_a, p_dt_bias, p_decay, p_beta, HV, s_a, s_
     o_h = tl.arange(0, BLOCK)
     m_h = o_h < HV
     r = i_r.to(tl.int64)
-    b_x = tl.load(p_a + r * s_a + o_h, mask=m_h, other=0.0).to(tl.float32) \
-        + tl.load(p_dt_bias + o_h, mask=m_h, other=0.0)
-    b_soft = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # F.softplus (threshold 20)
-    tl.store(p_decay + r * HV + o_h, tl.load(p_neg_a + o_h, mask=m_h, other=0.0) * b_soft, mask=m_h)
+    b_a = tl.load(p_a + r * s_a + o_h, mask=m_h, other=0.0)
     b_b = tl.load(p_b + r * s_b + o_h, mask=m_h, other=0.0)
-    tl.store(p_beta + r * HV + o_h, tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype), mask=m_h)
+    b_decay, b_beta = gdn_gate_values(b_a, b_b, tl.load(p_neg_a + o_h, mask=m_h, other=0.0),
+                                      tl.load(p_dt_bias + o_h, mask=m_h, other=0.0))
+    tl.store(p_decay + r * HV + o_h, b_decay, mask=m_h)
+    tl.store(p_beta + r * HV + o_h, b_beta, mask=m_h)
+
+
+@triton.jit
+def gdn_gate_values(b_a, b_b, b_neg_a, b_dt_bias):
+    """`gdn_gates` on loaded values: (log decay float32, beta in b's dtype). The GDN decode step calls it too
+    (`gdn.gdn_decode_triton(gates=...)`), so both give the same bits."""
+    b_x = b_a.to(tl.float32) + b_dt_bias
+    b_soft = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # F.softplus (threshold 20)
+    return b_neg_a * b_soft, tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype)
 
 
 def _rows(t: torch.Tensor) -> bool:

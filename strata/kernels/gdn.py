@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels.elementwise import gdn_gate_values
 from strata.kernels.pdl import pdl, wait_for_prior
 from torch import Tensor
 
@@ -162,13 +163,15 @@ def _conv_decode_kernel(
 
 @triton.jit
 def _rec_decode_kernel(
-    p_qkv, p_state, p_seq, p_decay, p_beta, p_o,
+    p_qkv, p_state, p_seq, p_decay, p_beta, p_o, p_neg_a, p_dt_bias,
     stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile."""
+    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile. GATES:
+    p_decay, p_beta hold the projections a and b, and the program makes its head's log decay and beta itself
+    (`elementwise.gdn_gate_values`, with p_neg_a and p_dt_bias), bit for bit as `gdn_gates_triton`."""
     wait_for_prior(PDL)
     i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_r64 = i_r.to(tl.int64)
@@ -184,8 +187,14 @@ def _rec_decode_kernel(
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BLOCK_DV]
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * (DK ** -0.5)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
-    b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
+    if GATES:
+        b_g, b_beta = gdn_gate_values(tl.load(p_decay + i_r64 * stride_decay + i_h),
+                                      tl.load(p_beta + i_r64 * stride_beta + i_h), tl.load(p_neg_a + i_h),
+                                      tl.load(p_dt_bias + i_h))
+        b_beta = b_beta.to(tl.float32)
+    else:
+        b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
+        b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
 
     p_s = p_state + i_s * stride_ss + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
@@ -199,9 +208,12 @@ def _rec_decode_kernel(
 
 def gdn_decode_triton(
     mixed: Tensor, conv_w: Tensor, conv_pool: Tensor, rec_pool: Tensor, seq_ids: Tensor,
-    decay: Tensor, beta: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+    decay: Tensor | None, beta: Tensor | None, num_k_heads: int, num_v_heads: int, k_head_dim: int,
+    v_head_dim: int, gates: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One decode token per row: short conv + silu, then one gated delta-rule step, on sequence seq_ids[r].
+    `gates` (a, b [R, Hv], neg_a, dt_bias [Hv] float32), with decay and beta None: the step makes the log decay
+    and beta from the projections itself, as `gdn_gates_triton` would (one launch fewer, the same bits).
 
     mixed: [R, C] pre-conv q|k|v (C = 2*Hk*Dk + Hv*Dv; rows may be strided, channels contiguous);
     conv_w: [C, K]; conv_pool: [S, K-1, C] and rec_pool: [S, Hv, Dk, Dv] float32, both updated IN PLACE
@@ -217,6 +229,12 @@ def gdn_decode_triton(
     assert conv_pool.shape[1:] == (num_taps - 1, num_channels), conv_pool.shape
     assert rec_pool.shape[1:] == (num_v_heads, k_head_dim, v_head_dim), rec_pool.shape
     assert rec_pool.dtype == torch.float32, rec_pool.dtype
+    if gates is not None:
+        assert decay is None and beta is None, "give the gates' projections or decay and beta, not both"
+        decay, beta, neg_a, dt_bias = gates  # a and b stand where decay and beta would
+        assert neg_a.shape == dt_bias.shape == (num_v_heads,) and neg_a.dtype == dt_bias.dtype == torch.float32
+    else:
+        neg_a = dt_bias = decay
     assert decay.shape == beta.shape == (num_rows, num_v_heads), (decay.shape, beta.shape)
     assert mixed.stride(1) == 1 and conv_pool.stride(2) == 1 and rec_pool.stride(3) == 1
     assert conv_w.stride(1) == 1 and decay.stride(1) == 1 and beta.stride(1) == 1 and seq_ids.is_contiguous()
@@ -233,11 +251,12 @@ def gdn_decode_triton(
 
     block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
     _rec_decode_kernel[(num_rows, num_v_heads, triton.cdiv(v_head_dim, block_dv))](
-        conv_out, rec_pool, seq_ids, decay, beta, out,
+        conv_out, rec_pool, seq_ids, decay, beta, out, neg_a.contiguous(), dt_bias.contiguous(),
         conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
         decay.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
-        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, **pdl(mixed),
+        KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, GATES=gates is not None,
+        **pdl(mixed),
     )  # fmt: skip
     return out
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_triton
-from strata.kernels.elementwise import gdn_gates_triton, silu_mul_triton
+from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
@@ -84,9 +84,10 @@ class TritonDecode:
         r = x.shape[0]
         proj = linear_triton(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        decay, beta = gdn_gates_triton(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv] each
-        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, decay, beta,
-                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim)
+        # the recurrent step makes its decay and beta from a and b itself (no gates launch)
+        out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, None, None,
+                                g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
+                                gates=(a, b, w["neg_a"], w["dt_bias"]))
         out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
         return linear_split(out.reshape(r, -1), w["out"])
 
