@@ -306,3 +306,36 @@ def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, sh
     full = moe_triton(x, top_k=3, norm_topk=True, **w)  # 1 row: the routing program's layout inside
     ref = moe(x.float(), top_k=3, norm_topk=True, **{k: _float(v) for k, v in w.items()})
     torch.testing.assert_close(full.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("hidden", [40, 512], ids=lambda h: f"H={h}")  # 512: the router split over K
+@pytest.mark.parametrize("shared", [None, "plain", "gated"])
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"R={r}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_one_launch_moe_gives_the_same_bits(rows, dtype, shared, hidden, monkeypatch):
+    """moe_triton(flags=...): router, routing and experts in one launch (`_moe_kernel`) leave the pairs the separate
+    launches leave, bit for bit: ids, every held pair's output, the finished block; the flags end set (routed)."""
+    from strata.kernels.linear import linear_split
+
+    monkeypatch.setattr(moe_module, "ROUTE_LAYOUT_ROWS", rows)
+    g = _gen(hidden)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
+
+    gate_up, down = rand(EXPERTS, 2 * INTER, hidden), rand(EXPERTS, hidden, INTER)
+    pair = (rand(2 * INTER, hidden), rand(hidden, INTER)) if shared else None  # the shared expert, as a pair
+    gate = rand(1, hidden) if shared == "gated" else None
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    args = (x, rand(EXPERTS, hidden), gate_up, down, 3, True, pair, gate)
+    kw = dict(linear=linear_split, defer=True, shared_pair=True)
+    want = moe_triton(*args, **kw)
+    flags = torch.zeros(2, dtype=torch.int32)
+    got = moe_triton(*args, **kw, flags=flags)
+    assert torch.equal(got.ids, want.ids)
+    assert torch.equal(got.y, want.y)
+    assert torch.equal(combine_triton(got), combine_triton(want))
+    assert flags[0].item() > 0 and flags[1].item() == 1  # every router program counted, then the routing announced
+    ref = moe(x.float(), args[1].float(), gate_up.float(), down.float(), 3, True,
+              tuple(t.float() for t in pair) if pair else None, gate.float() if gate is not None else None)
+    torch.testing.assert_close(combine_triton(got).float(), ref, **TOL[dtype])

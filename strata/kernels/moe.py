@@ -17,7 +17,8 @@ import triton.language as tl
 
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
-from strata.kernels.invariant import plain
+from strata.kernels.invariant import exact_sum, plain
+from strata.kernels.linear import BLOCK_M as LINEAR_BLOCK_M, CONFIGS as LINEAR_CONFIGS, linear_split, linear_tile, split_k
 from strata.kernels.pdl import pdl, wait_for_prior
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
@@ -138,16 +139,17 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 @triton.jit
 def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
                TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr):
+               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr = False):
     """Row i_r: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
     more pair, the shared expert as expert E, weighted 1 (SHARED 1) or sigmoid(x . gate) (2, the logit rounded
-    to the model's dtype as a projection's output is)."""
+    to the model's dtype as a projection's output is). CG: the logits were written by other programs of the same
+    launch (read from L2)."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
-    b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY).to(tl.float32)
+    b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY, CG).to(tl.float32)
     b_p = tl.where(m_e, b_p, float("-inf"))
     b_p = tl.exp(b_p - tl.max(b_p, axis=0))
-    b_p = b_p / tl.sum(b_p, axis=0)
+    b_p = b_p / exact_sum(b_p)  # (its sums are exact: the same bits on any warps)
     # Each lane's key: its probability's bits above (BLOCK_E - 1 - lane), so one max over the keys gives the
     # largest probability and, among equal ones, the lowest expert id (probabilities are >= 0: their bits order as
     # the floats do). Padding lanes and lanes already picked hold key -1 and are never picked.
@@ -163,7 +165,7 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
         b_i = tl.where(o_j == j, i_e, b_i)
         b_key = tl.where(o_e == i_e, -1, b_key)
     if NORM_TOPK:
-        b_w = b_w / tl.sum(b_w, axis=0)
+        b_w = b_w / exact_sum(b_w)
     n_pairs = K_TOP + (SHARED > 0)
     if SHARED > 0:
         b_shared = 1.0
@@ -172,7 +174,7 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
             m_h = o_h < H
             b_x = tl.load(p_x + (tl.full([], 0, tl.int64) + i_r) * s_xr + o_h, mask=m_h, other=0.0).to(tl.float32)
             b_g = tl.load(p_gate + o_h, mask=m_h, other=0.0).to(tl.float32)
-            b_shared = tl.sigmoid(tl.sum(b_x * b_g, axis=0).to(TY).to(tl.float32))
+            b_shared = tl.sigmoid(exact_sum(b_x * b_g).to(TY).to(tl.float32))
         b_w = tl.where(o_j == K_TOP, b_shared, b_w)
         b_i = tl.where(o_j == K_TOP, E, b_i)
     m_j = o_j < n_pairs
@@ -204,8 +206,8 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
 
 def route_warps(num_experts: int) -> int:
     """Warps of a routing program: its top-k is k rounds of a reduction over the experts, latency-bound, and one
-    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). The softmax's sum order
-    depends on it, so every routing kernel uses this rule."""
+    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). Its sums are exact
+    (`exact_sum`), so a row's weights are the same bits on these warps and on `_moe_kernel`'s."""
     return 1 if num_experts <= 256 else 2
 
 
@@ -252,6 +254,15 @@ def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, s
 
 
 @triton.jit
+def _load_cg(p, mask, other, CG: tl.constexpr):
+    """tl.load, from L2 (".cg") when CG: for values another program of the same launch wrote."""
+    if CG:
+        return tl.load(p, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(p, mask=mask, other=other)
+
+
+@triton.jit
 def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
     """Where expert i_e's weights start: in the routed experts' [E, ...] tensor, or the shared expert's own when
     SHARED and i_e is E (the shared pair's id)."""
@@ -265,11 +276,12 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 @triton.jit
 def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TMA: tl.constexpr, CG: tl.constexpr = False):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
     tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows, read by the copy engine (a
-    tile's columns past I read the next rows, whose products are not stored)."""
-    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
+    tile's columns past I read the next rows, whose products are not stored). CG: the tile's pairs were laid out
+    by another program of the same launch: read from L2, not the multiprocessor's own cache."""
+    b_pair = _load_cg(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M), None, None, CG)  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -329,11 +341,12 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
 @triton.jit
 def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               TMA: tl.constexpr, H_CG: tl.constexpr = False):
+               TMA: tl.constexpr, CG: tl.constexpr = False):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
-    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). H_CG: h is
-    read from L2, not the multiprocessor's own cache (written by other programs of the same launch)."""
-    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). CG: h (and
+    the pairs and their route weights) are read from L2, not the multiprocessor's own cache: written by other
+    programs of the same launch."""
+    b_pair = _load_cg(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M), None, None, CG)  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
@@ -353,13 +366,10 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
             m_k = o_k < I
             p_hk = p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :]
             m_hk = m_m[:, None] & m_k[None, :]
-            if H_CG:
-                b_h = tl.load(p_hk, mask=m_hk, other=0.0, cache_modifier=".cg")  # [BM, BK]
-            else:
-                b_h = tl.load(p_hk, mask=m_hk, other=0.0)
+            b_h = _load_cg(p_hk, m_hk, 0.0, CG)  # [BM, BK]
             b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
-    b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
+    b_route = _load_cg(p_route + b_pair, m_m, 0.0, CG).to(tl.float32)  # [BM]
     b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
     tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
 
@@ -389,35 +399,90 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
                     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr):
-    """Both products in one launch (ExpertTiles.handoff). Programs below GATE_UP_PROGRAMS compute one gate_up tile
-    each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the layout);
-    the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of their pair
-    tile is counted. The hardware starts a grid's programs in id order, so every gate_up program has started
-    before a down program waits: the wait always ends. A pair tile's down products start as soon as its own h
-    is written, not after the last gate_up tile of the window, and the launch between them is gone. Same tile
-    functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there)."""
+    """Both products in one launch (ExpertTiles.handoff): `_experts_program` (program_id(0))."""
     wait_for_prior(PDL)
-    i_p = tl.program_id(0)
+    _experts_program(tl.program_id(0), p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P,
+                     E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS, SHARED, K_TOP, BLOCK_M,
+                     BLOCK_N, BLOCK_K, DOWN_N, DOWN_K, False)
+
+
+@triton.jit
+def _experts_program(i_p, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I,
+                     s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
+                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, CG: tl.constexpr):
+    """Program i_p of the experts' products in one launch. Programs below GATE_UP_PROGRAMS compute one gate_up
+    tile each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the
+    layout); the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of
+    their pair tile is counted. The hardware starts a grid's programs in id order, so every gate_up program has
+    started before a down program waits: the wait always ends. A pair tile's down products start as soon as its
+    own h is written, not after the last gate_up tile of the window, and the launch between them is gone. Same
+    tile functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there).
+    CG: the tiles were laid out by another program of the same launch (`_moe_kernel`)."""
     n_gate_up = tl.cdiv(I, BLOCK_N)
     if i_p < GATE_UP_PROGRAMS:
         i_b = i_p // n_gate_up
-        i_e = tl.load(p_expert + i_b)
+        i_e = _load_cg(p_expert + i_b, None, None, CG)
         if i_e < E + SHARED:
             _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
-                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False, CG)
             tl.debug_barrier()  # every thread's h stores issued before the tile is counted
             tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
     else:
         n_down = tl.cdiv(H, DOWN_N)
         i_b = (i_p - GATE_UP_PROGRAMS) // n_down
         i_n = (i_p - GATE_UP_PROGRAMS) % n_down
-        i_e = tl.load(p_expert + i_b)
+        i_e = _load_cg(p_expert + i_b, None, None, CG)
         if i_e < E + SHARED:
             done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
                        BLOCK_M, DOWN_N, DOWN_K, False, True)
+
+
+@triton.jit
+def _moe_kernel(p_x, p_router, p_logits, p_flags, p_weights, p_ids, p_gate, p_wgu, p_sgu, p_h, p_wd, p_sd, p_y,
+                p_pair, p_expert, p_scratch, p_used, p_done, R, E, H, I, K_CHUNK, s_xr, s_rn, s_rk, s_gue, s_gun,
+                s_guk, s_de, s_dn, s_dk, NUM_SLOTS, MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
+                TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
+                ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr,
+                DOWN_K: tl.constexpr, PDL: tl.constexpr):
+    """A window's whole MoE block in one launch (`moe_triton(flags=...)`): router, routing and both products.
+
+    Programs below ROUTER_PROGRAMS compute the router's split-K tiles (`linear_tile`, as `linear_split` would) and
+    count themselves in p_flags[0]; the last one to arrive routes the rows and lays out their tiles (as
+    `route_triton(layout=...)`) and sets p_flags[1]. The programs after them are `_experts_program`, each first
+    waiting for p_flags[1]. The router programs have the lowest ids, so they have all started before an experts
+    program waits: the wait ends. p_flags: two int32 zeros. Same tile and routing functions as the separate
+    launches, so the same bits (the routing's sums are exact, so its warps do not matter)."""
+    wait_for_prior(PDL)
+    i_p = tl.program_id(0)
+    if i_p < ROUTER_PROGRAMS:
+        n_tiles = tl.cdiv(E, ROUTER_N)
+        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, R, E, H, K_CHUNK, s_xr, 1, s_rn,
+                    s_rk, E, False, SPLIT > 0, INPUT_PRECISION, BLOCK_M, ROUTER_N, ROUTER_K)
+        tl.debug_barrier()  # every thread's partial sums stored before the program is counted
+        if tl.atomic_add(p_flags, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
+            for i_r in range(0, R):
+                _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, R * E, s_xr, SPLIT, TY, K_TOP,
+                           NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
+            tl.debug_barrier()  # every row's ids stored before the layout reads them
+            _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, R * (K_TOP + (SHARED > 0)),
+                           E + (SHARED > 0), NUM_SLOTS, MAX_BLOCKS, BLOCK_M, BLOCK_P, PAIR_BITS, BLOCK_S, True)
+            tl.debug_barrier()  # the tiles stored before they are announced
+            tl.atomic_xchg(p_flags + 1, 1, sem="release", scope="gpu")
+    else:
+        routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
+        while routed == 0:
+            routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
+        _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_pair, p_expert,
+                         p_done, R * (K_TOP + (SHARED > 0)), E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
+                         GATE_UP_PROGRAMS, SHARED > 0, K_TOP + (SHARED > 0), BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N,
+                         DOWN_K, True)
 
 
 @triton.jit
@@ -733,6 +798,55 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
+def _moe_one_launch(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                    norm_topk: bool, mode: str | None, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                    shared_gate: torch.Tensor | None, tiles: ExpertTiles, flags: torch.Tensor) -> PairSum:
+    """`_moe_kernel` over a window of a row or two: the PairSum that `linear_split` + `route_triton(layout=...)` +
+    `fused_experts_triton` would give, from one launch."""
+    R, H = x.shape
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    assert router.shape == (E, H) and router.dtype == x.dtype, f"router: [{E}, {H}] in {x.dtype}"
+    assert flags.dtype == torch.int32 and flags.numel() >= 2 and flags.is_contiguous(), "flags: two int32 zeros"
+    assert shared is None or shared_fits(shared, gate_up, down), \
+        "the shared expert's gate_up and down must have the routed experts' shapes and strides"
+    x = x.contiguous()
+    dev = x.device
+    gated = mode == "gated"
+    if gated:
+        assert shared_gate is not None, "the gated shared pair needs its gate"
+    pairs = top_k + (mode is not None)
+    held = E + (mode is not None)
+    block_n, block_k, _ = LINEAR_CONFIGS[x.dtype]
+    split = split_k(E, H, block_n, block_k)
+    # the router's sums where linear_split would leave them: float32 chunks, or the finished logits
+    logits = torch.empty(split, R, E, dtype=torch.float32, device=dev) if split > 1 else \
+        torch.empty(R, E, dtype=x.dtype, device=dev)
+    weights = torch.empty(R, pairs, dtype=torch.float32, device=dev)  # [R, pairs]
+    ids = torch.empty(R, pairs, dtype=torch.int32, device=dev)  # [R, pairs]
+    (pair_of_slot, expert_of_block, used, done), lay = _layout_buffers(R * pairs, held, tiles.block_m, dev, True)
+    max_blocks = expert_of_block.shape[0]
+    s_gate_up, s_down = shared if shared is not None else (gate_up, down)
+    h = torch.empty(R * pairs, I, dtype=x.dtype, device=dev)  # [P, I]
+    y = torch.empty(R * pairs, H, dtype=torch.float32, device=dev)  # [P, H]
+    gate = shared_gate.reshape(-1).contiguous() if gated else x
+    router_programs = triton.cdiv(E, block_n) * split
+    down_n, down_k = tiles.down_n or tiles.block_n, tiles.down_k or tiles.block_k
+    gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
+    assert LINEAR_BLOCK_M == tiles.block_m and R <= tiles.block_m, "one router row tile, the experts' pair tiles"
+    _moe_kernel[(router_programs + gate_up_programs + max_blocks * triton.cdiv(H, down_n),)](
+        x, router, logits, flags, weights, ids, gate, gate_up, s_gate_up, h, down, s_down, y,
+        pair_of_slot, expert_of_block, lay["pointers"][2], used, done, R, E, H, I, H // split, x.stride(0),
+        *router.stride(), *gate_up.stride(), *down.stride(), *lay["sizes"], router_programs, gate_up_programs,
+        TY=tl_dtype(x.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED={None: 0, "plain": 1, "gated": 2}[mode],
+        SPLIT=split if split > 1 else 0, BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
+        BLOCK_H=triton.next_power_of_2(H) if gated else 1, ROUTER_N=block_n, ROUTER_K=block_k,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_P=lay["meta"]["BLOCK_P"],
+        PAIR_BITS=lay["meta"]["PAIR_BITS"], BLOCK_S=lay["meta"]["BLOCK_S"], BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl(x))
+    return PairSum(y, ids, held, x.dtype)
+
+
 def moe_triton(
     x: torch.Tensor,
     router: torch.Tensor,
@@ -746,15 +860,27 @@ def moe_triton(
     tiles: ExpertTiles = DECODE_TILES,
     defer: bool = False,
     shared_pair: bool = False,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor | PairSum:
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products (it
     may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish.
     `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
-    roundings than the separate products (the same for a row whatever shares its window)."""
-    logits = linear(x, router)
+    roundings than the separate products (the same for a row whatever shares its window). `flags`: two int32
+    zeros for this call alone (zeroed before the window's first kernel); with them a window of up to
+    ROUTE_LAYOUT_ROWS rows runs router, routing and experts in one launch (`_moe_kernel`; `linear` must be
+    `linear_split`, whose tiles it computes): the same bits as the separate launches."""
     as_pair = shared is not None and shared_pair and shared_fits(shared, gate_up, down)
     mode = ("gated" if shared_gate is not None else "plain") if as_pair else None
+    if flags is not None and tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS:
+        assert linear is linear_split, "one launch computes the router as linear_split's tiles"
+        pairs = _moe_one_launch(x, router, gate_up, down, top_k, norm_topk, mode, shared if as_pair else None,
+                                shared_gate, tiles, flags)
+        if shared is not None and not as_pair:
+            pairs = replace(pairs, shared=linear(silu_mul_triton(linear(x, shared[0])), shared[1]),
+                            shared_gate=linear(x, shared_gate) if shared_gate is not None else None)
+        return pairs if defer else combine_triton(pairs, tiles.combine_n)
+    logits = linear(x, router)
     # a window of a row or two: the routing program lays the tiles out too (one launch fewer)
     lay = (tiles.block_m, True) if tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS else None
     routed = route_triton(logits, top_k, norm_topk, mode, x, shared_gate, layout=lay)

@@ -21,7 +21,7 @@ from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
-from strata.kernels.moe import moe_triton
+from strata.kernels.moe import ROUTE_LAYOUT_ROWS, moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
@@ -32,6 +32,10 @@ from strata.state.session import StatePool
 
 class TritonDecode:
     """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
+
+    # A one-row window's MoE blocks as one launch each (router, routing and experts: `moe_triton(flags=...)`), their
+    # flags zeroed by one fill at the window's start.
+    ONE_LAUNCH_MOE = True
 
     def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor,
                  pools: dict[int, ExpertPool] | None = None):
@@ -45,6 +49,7 @@ class TritonDecode:
         """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
         logits [R, V] on the last stage, else this stage's hidden states."""
         x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
+        self._flags = self._moe_flags(x)
         pending = None  # the last block's output, added to x by the next norm (one kernel for both)
         for i, w in self.weights.layers.items():
             h, x = self._add_norm(pending, x, w["attn_norm"])
@@ -58,6 +63,12 @@ class TritonDecode:
             return x if pending is None else x + finish(pending)
         h, _ = self._add_norm(pending, x, self.weights.final_norm)
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
+
+    def _moe_flags(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[layers, 2] int32 zeros for the one-launch MoE blocks of this window, or None where they do not run."""
+        if not self.ONE_LAUNCH_MOE or not 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS:
+            return None
+        return torch.zeros(len(self.spec.layers), 2, dtype=torch.int32, device=x.device)
 
     def _add_norm(self, h, x, weight):
         """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give. h may be
@@ -100,7 +111,8 @@ class TritonDecode:
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
         # the experts' pairs (and the shared expert) are added up by the next norm
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
-                          w.get("shared_gate"), linear=linear_split, defer=True, shared_pair=True)
+                          w.get("shared_gate"), linear=linear_split, defer=True, shared_pair=True,
+                          flags=self._flags[i] if self._flags is not None else None)
 
 
 class GraphedDecode:
