@@ -106,7 +106,7 @@ def cases():
             out.append((f"_route_kernel E={experts}{' + layout' if lay else ''}", moe._route_kernel, dict(
                 constexprs=dict(SPLIT=8, TY=tl.bfloat16, K_TOP=top, NORM_TOPK=True, SHARED=shared, BLOCK_E=experts,
                                 BLOCK_TOP=16 if shared else 8, BLOCK_H=2048 if shared else 1, LAYOUT=lay, **layout,
-                                RANKS=moe.rank_top_k(experts, moe.route_warps(experts)), **pdl),
+                                **pdl),
                 pointers=dict(p_logits=f32, p_weights=f32, p_ids="i32", p_pair="i32", p_expert="i32",
                               p_scratch="i32", p_used="i32", p_done="i32"),
                 plain=("R", "E", "H", "NUM_SLOTS", "MAX_BLOCKS"), num_warps=moe.route_warps(experts))))
@@ -128,8 +128,7 @@ def cases():
             constexprs=dict(TY=tl.bfloat16, K_TOP=top, NORM_TOPK=True, SHARED=shared, SPLIT=8, BLOCK_E=experts,
                             BLOCK_TOP=16 if shared else 8, BLOCK_H=2048 if shared else 1, ROUTER_N=bn, ROUTER_K=bk,
                             INPUT_PRECISION="tf32", BLOCK_P=16, PAIR_BITS=4, BLOCK_S=1024, DOWN_N=t.down_n,
-                            DOWN_K=t.down_k or t.block_k, RANKS=moe.rank_top_k(experts, t.num_warps),
-                            POLL=moe.POLL_LOADS, **tiles),
+                            DOWN_K=t.down_k or t.block_k, **tiles),
             pointers=dict(expert_ptrs, p_logits=f32, p_flags="i32", p_weights=f32, p_ids="i32", p_scratch="i32"),
             plain=("R", "E", "NUM_SLOTS", "MAX_BLOCKS", "ROUTER_PROGRAMS", "GATE_UP_PROGRAMS"),
             ones=("s_rk", "s_guk", "s_dk"), num_warps=t.num_warps, num_stages=t.num_stages)))

@@ -308,34 +308,16 @@ def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, sh
     torch.testing.assert_close(full.float(), ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("shared", [None, "gated"])
-@pytest.mark.parametrize("experts, top_k", [(8, 3), (60, 5), (128, 8)], ids=lambda v: str(v))
-def test_ranked_top_k_picks_as_the_rounds(experts, top_k, shared, monkeypatch):
-    """A routing program's top k by ranks (`rank_top_k`) gives the rounds' weights and ids bit for bit, ties (equal
-    logits: the lower expert first) included."""
-    g = _gen(experts)
-    logits = torch.randn(5, experts, generator=g)
-    logits[1, 3:6] = logits[1, 2]  # ties
-    x, gate = torch.randn(5, HIDDEN, generator=g), torch.randn(1, HIDDEN, generator=g)
-    out = {}
-    for ranks in (False, True):
-        monkeypatch.setattr(moe_module, "rank_top_k", lambda e, w, ranks=ranks: ranks)
-        out[ranks] = route_triton(logits, top_k, True, shared, x, gate)
-    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
-
-
-@pytest.mark.parametrize("poll", [True, False], ids=["poll", "atomics"])
 @pytest.mark.parametrize("hidden", [40, 512], ids=lambda h: f"H={h}")  # 512: the router split over K
 @pytest.mark.parametrize("shared", [None, "plain", "gated"])
 @pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"R={r}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_one_launch_moe_gives_the_same_bits(rows, dtype, shared, hidden, poll, monkeypatch):
+def test_one_launch_moe_gives_the_same_bits(rows, dtype, shared, hidden, monkeypatch):
     """moe_triton(flags=...): router, routing and experts in one launch (`_moe_kernel`) leave the pairs the separate
     launches leave, bit for bit: ids, every held pair's output, the finished block; the flags end set (routed)."""
     from strata.kernels.linear import linear_split
 
     monkeypatch.setattr(moe_module, "ROUTE_LAYOUT_ROWS", rows)
-    monkeypatch.setattr(moe_module, "POLL_LOADS", poll)
     g = _gen(hidden)
 
     def rand(*shape):

@@ -139,13 +139,11 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 @triton.jit
 def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
                TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, RANKS: tl.constexpr,
-               CG: tl.constexpr = False):
+               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr = False):
     """Row i_r: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
     more pair, the shared expert as expert E, weighted 1 (SHARED 1) or sigmoid(x . gate) (2, the logit rounded
-    to the model's dtype as a projection's output is). RANKS: the top K_TOP by ranking every lane at once, else
-    by K_TOP rounds of a max (`rank_top_k`); the same picks either way. CG: the logits were written by other
-    programs of the same launch (read from L2)."""
+    to the model's dtype as a projection's output is). CG: the logits were written by other programs of the same
+    launch (read from L2)."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY, CG).to(tl.float32)
@@ -157,23 +155,15 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
     # the floats do). Padding lanes and lanes already picked hold key -1 and are never picked.
     b_key = tl.where(m_e, (b_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - o_e), -1)
     o_j = tl.arange(0, BLOCK_TOP)
-    if RANKS:
-        # Each lane's rank: how many keys are larger (the keys are distinct). Rank j is pick j: the same picks, in
-        # the same order, as the rounds below, from one reduction (a [BLOCK_E, BLOCK_E] comparison).
-        b_rank = tl.sum((b_key[None, :] > b_key[:, None]).to(tl.int32), axis=1)  # [BLOCK_E]
-        m_pick = (b_rank[None, :] == o_j[:, None]) & (o_j < K_TOP)[:, None]  # [BLOCK_TOP, BLOCK_E]
-        b_w = tl.sum(tl.where(m_pick, b_p[None, :], 0.0), axis=1)  # one lane a pick: its value exactly
-        b_i = tl.minimum(tl.sum(tl.where(m_pick, o_e[None, :], 0), axis=1), E - 1)  # (a NaN row: ids in range)
-    else:
-        b_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
-        b_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-        for j in tl.static_range(K_TOP):  # one reduction a round
-            b_top = tl.max(b_key, axis=0)
-            i_e = tl.minimum(BLOCK_E - 1 - (b_top & 0xFFFFFFFF).to(tl.int32), E - 1)  # (a NaN row: ids in range)
-            b_max = (b_top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            b_w = tl.where(o_j == j, b_max, b_w)
-            b_i = tl.where(o_j == j, i_e, b_i)
-            b_key = tl.where(o_e == i_e, -1, b_key)
+    b_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    b_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    for j in tl.static_range(K_TOP):  # one reduction a round
+        b_top = tl.max(b_key, axis=0)
+        i_e = tl.minimum(BLOCK_E - 1 - (b_top & 0xFFFFFFFF).to(tl.int32), E - 1)  # (a NaN row: keep ids in range)
+        b_max = (b_top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        b_w = tl.where(o_j == j, b_max, b_w)
+        b_i = tl.where(o_j == j, i_e, b_i)
+        b_key = tl.where(o_e == i_e, -1, b_key)
     if NORM_TOPK:
         b_w = b_w / exact_sum(b_w)
     n_pairs = K_TOP + (SHARED > 0)
@@ -198,20 +188,20 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
                   TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, LAYOUT: tl.constexpr,
                   BM: tl.constexpr, BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  DONE: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
+                  DONE: tl.constexpr, PDL: tl.constexpr):
     """One program per row (`_route_row`), or LAYOUT: one program routes all R rows, then lays their pairs out in
     expert tiles (`_lay_out_tiles`, the shared pair's id E counted as an expert): no launch between the two."""
     wait_for_prior(PDL)
     if LAYOUT:
         for i_r in range(0, R):
             _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT, TY, K_TOP,
-                       NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, RANKS)
+                       NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H)
         tl.debug_barrier()  # every row's ids stored before the layout reads them
         _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, R * (K_TOP + (SHARED > 0)),
                        E + (SHARED > 0), NUM_SLOTS, MAX_BLOCKS, BM, BLOCK_P, PAIR_BITS, BLOCK_S, DONE)
     else:
         _route_row(tl.program_id(0), p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT, TY,
-                   K_TOP, NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, RANKS)
+                   K_TOP, NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H)
 
 
 def route_warps(num_experts: int) -> int:
@@ -219,13 +209,6 @@ def route_warps(num_experts: int) -> int:
     warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). Its sums are exact
     (`exact_sum`), so a row's weights are the same bits on these warps and on `_moe_kernel`'s."""
     return 1 if num_experts <= 256 else 2
-
-
-def rank_top_k(num_experts: int, num_warps: int) -> bool:
-    """Whether a routing program of `num_warps` picks its top k by ranking all experts at once (one reduction over
-    an [E, E] comparison) rather than by k rounds of a max (k reductions, each crossing warps when there are
-    several). The picks are the same either way."""
-    return num_warps >= 4 and num_experts <= 128
 
 
 def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, shared: str | None = None,
@@ -266,7 +249,7 @@ def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, s
             TY=tl_dtype(logits.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED=mode,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
             BLOCK_H=triton.next_power_of_2(h), **(dict(lay["meta"], LAYOUT=True) if layout is not None else one),
-            RANKS=rank_top_k(E, route_warps(E)), num_warps=route_warps(E), **pdl(p))
+            num_warps=route_warps(E), **pdl(p))
     return (weights, ids) if layout is None else (weights, ids, tiles)
 
 
@@ -467,7 +450,7 @@ def _moe_kernel(p_x, p_router, p_logits, p_flags, p_weights, p_ids, p_gate, p_wg
                 ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                 BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr,
-                DOWN_K: tl.constexpr, RANKS: tl.constexpr, POLL: tl.constexpr, PDL: tl.constexpr):
+                DOWN_K: tl.constexpr, PDL: tl.constexpr):
     """A window's whole MoE block in one launch (`moe_triton(flags=...)`): router, routing and both products.
 
     Programs below ROUTER_PROGRAMS compute the router's split-K tiles (`linear_tile`, as `linear_split` would) and
@@ -486,22 +469,16 @@ def _moe_kernel(p_x, p_router, p_logits, p_flags, p_weights, p_ids, p_gate, p_wg
         if tl.atomic_add(p_flags, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
             for i_r in range(0, R):
                 _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, R * E, s_xr, SPLIT, TY, K_TOP,
-                           NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, RANKS, True)
+                           NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
             tl.debug_barrier()  # every row's ids stored before the layout reads them
             _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, R * (K_TOP + (SHARED > 0)),
                            E + (SHARED > 0), NUM_SLOTS, MAX_BLOCKS, BLOCK_M, BLOCK_P, PAIR_BITS, BLOCK_S, True)
             tl.debug_barrier()  # the tiles stored before they are announced
             tl.atomic_xchg(p_flags + 1, 1, sem="release", scope="gpu")
     else:
-        if POLL:  # plain loads while waiting (hundreds of programs on one word), one acquire once it is set
-            routed = tl.load(p_flags + 1, volatile=True)
-            while routed == 0:
-                routed = tl.load(p_flags + 1, volatile=True)
-            tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
-        else:
+        routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
+        while routed == 0:
             routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
-            while routed == 0:
-                routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
         _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_pair, p_expert,
                          p_done, R * (K_TOP + (SHARED > 0)), E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
                          GATE_UP_PROGRAMS, SHARED > 0, K_TOP + (SHARED > 0), BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N,
@@ -593,7 +570,6 @@ def _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, P, E, NUM
     tl.store(p_used, tl.sum(m_first.to(tl.int32), 0))
 
 
-POLL_LOADS = True  # `_moe_kernel`'s experts programs wait on plain loads of the routing flag, then acquire once
 SMALL_P = 4096  # up to this many pairs (decode windows) the tiles are laid out by one program
 ROUTE_LAYOUT_ROWS = 1  # up to this many rows the routing program lays the tiles out itself (it routes them in turn)
 LAYOUT_CHUNK = 1024  # pairs per program of the prompt windows' layout
@@ -866,9 +842,8 @@ def _moe_one_launch(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor
         BLOCK_H=triton.next_power_of_2(H) if gated else 1, ROUTER_N=block_n, ROUTER_K=block_k,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_P=lay["meta"]["BLOCK_P"],
         PAIR_BITS=lay["meta"]["PAIR_BITS"], BLOCK_S=lay["meta"]["BLOCK_S"], BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k,
-        RANKS=rank_top_k(E, tiles.num_warps), POLL=POLL_LOADS, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl(x))
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl(x))
     return PairSum(y, ids, held, x.dtype)
 
 
