@@ -127,10 +127,10 @@ def cases():
         out.append((f"_moe_kernel E={experts} (router, routing, experts)", moe._moe_kernel, dict(
             constexprs=dict(TY=tl.bfloat16, K_TOP=top, NORM_TOPK=True, SHARED=shared, SPLIT=8, BLOCK_E=experts,
                             BLOCK_TOP=16 if shared else 8, BLOCK_H=2048 if shared else 1, ROUTER_N=bn, ROUTER_K=bk,
-                            INPUT_PRECISION="tf32", BLOCK_P=16, PAIR_BITS=4, BLOCK_S=1024, DOWN_N=t.down_n,
+                            INPUT_PRECISION="tf32", BLOCK_T=moe.ONE_LAUNCH_FLAGS, DOWN_N=t.down_n,
                             DOWN_K=t.down_k or t.block_k, **tiles),
-            pointers=dict(expert_ptrs, p_logits=f32, p_flags="i32", p_weights=f32, p_ids="i32", p_scratch="i32"),
-            plain=("R", "E", "NUM_SLOTS", "MAX_BLOCKS", "ROUTER_PROGRAMS", "GATE_UP_PROGRAMS"),
+            pointers=dict(expert_ptrs, p_logits=f32, p_count="i64", p_tickets="i64", p_weights=f32, p_ids="i32"),
+            plain=("E", "MAX_BLOCKS", "ROUTER_PROGRAMS", "GATE_UP_PROGRAMS"),
             ones=("s_rk", "s_guk", "s_dk"), num_warps=t.num_warps, num_stages=t.num_stages)))
     out.append(("_gate_up_kernel", moe._gate_up_kernel, dict(
         constexprs=dict(SHARED=False, K_TOP=8, PERSISTENT=False, TMA=False, **tiles), pointers=expert_ptrs,

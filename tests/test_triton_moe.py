@@ -310,14 +310,14 @@ def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, sh
 
 @pytest.mark.parametrize("hidden", [40, 512], ids=lambda h: f"H={h}")  # 512: the router split over K
 @pytest.mark.parametrize("shared", [None, "plain", "gated"])
-@pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"R={r}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_one_launch_moe_gives_the_same_bits(rows, dtype, shared, hidden, monkeypatch):
-    """moe_triton(flags=...): router, routing and experts in one launch (`_moe_kernel`) leave the pairs the separate
-    launches leave, bit for bit: ids, every held pair's output, the finished block; the flags end set (routed)."""
+def test_one_launch_moe_gives_the_same_bits(dtype, shared, hidden):
+    """moe_triton(flags=...): router, routing and experts of a one-row window in one launch (`_moe_kernel`) leave
+    the pairs the separate launches leave, bit for bit: ids, every pair's output, the finished block. The flags end
+    as the count of router programs and one ticket a tile (expert + 1, pair, route weight), in expert order."""
     from strata.kernels.linear import linear_split
 
-    monkeypatch.setattr(moe_module, "ROUTE_LAYOUT_ROWS", rows)
+    rows = 1
     g = _gen(hidden)
 
     def rand(*shape):
@@ -330,12 +330,19 @@ def test_one_launch_moe_gives_the_same_bits(rows, dtype, shared, hidden, monkeyp
     args = (x, rand(EXPERTS, hidden), gate_up, down, 3, True, pair, gate)
     kw = dict(linear=linear_split, defer=True, shared_pair=True)
     want = moe_triton(*args, **kw)
-    flags = torch.zeros(2, dtype=torch.int32)
+    flags = torch.zeros(moe_module.ONE_LAUNCH_FLAGS, dtype=torch.int64)
     got = moe_triton(*args, **kw, flags=flags)
     assert torch.equal(got.ids, want.ids)
     assert torch.equal(got.y, want.y)
     assert torch.equal(combine_triton(got), combine_triton(want))
-    assert flags[0].item() > 0 and flags[1].item() == 1  # every router program counted, then the routing announced
+    assert flags[0].item() > 0  # the router programs, counted
+    pairs = got.ids.shape[1]
+    tickets = flags[1 : 1 + pairs]
+    order = torch.argsort(got.ids[0].long())
+    assert torch.equal((tickets >> 48) - 1, got.ids[0].long()[order])  # experts ascending
+    assert torch.equal((tickets >> 32) & 0xFFFF, order)  # each tile's pair
+    weights = (tickets & 0xFFFFFFFF).int().view(torch.float32)
+    assert torch.equal(weights, route_triton(linear_split(x, args[1]), 3, True, shared, x, gate)[0][0][order])
     ref = moe(x.float(), args[1].float(), gate_up.float(), down.float(), 3, True,
               tuple(t.float() for t in pair) if pair else None, gate.float() if gate is not None else None)
     torch.testing.assert_close(combine_triton(got).float(), ref, **TOL[dtype])

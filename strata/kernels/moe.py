@@ -274,14 +274,18 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+def _tile_pairs(p_pair, i_b, BLOCK_M: tl.constexpr):
+    """Tile i_b's pairs [BLOCK_M] as the layout stored them (P in padding slots)."""
+    return tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
+
+
+@triton.jit
+def _gate_up_tile(b_pair, i_n, i_e, p_x, p_w, p_sw, p_h, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TMA: tl.constexpr, CG: tl.constexpr = False):
-    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
-    tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows, read by the copy engine (a
-    tile's columns past I read the next rows, whose products are not stored). CG: the tile's pairs were laid out
-    by another program of the same launch: read from L2, not the multiprocessor's own cache."""
-    b_pair = _load_cg(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M), None, None, CG)  # [BM], P in padding slots
+                  BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile's pairs b_pair [BLOCK_M] (expert
+    i_e; P in padding slots), columns tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows,
+    read by the copy engine (a tile's columns past I read the next rows, whose products are not stored)."""
     m_m = b_pair < P
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,25 +332,30 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
         n_tiles = tl.cdiv(I, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
-                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _gate_up_tile(_tile_pairs(p_pair, i_b, BLOCK_M), t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h,
+                          P, E, H, I, s_xr, s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
-            _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _gate_up_tile(_tile_pairs(p_pair, i_b, BLOCK_M), tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, P, E, H, I,
+                          s_xr, s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
-def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+def _tile_routes(p_route, b_pair, P):
+    """The route weights of a tile's pairs (0 in padding slots)."""
+    return tl.load(p_route + b_pair, mask=b_pair < P, other=0.0)
+
+
+@triton.jit
+def _down_tile(b_pair, b_route, i_n, i_e, p_h, p_w, p_sw, p_y, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                TMA: tl.constexpr, CG: tl.constexpr = False):
-    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
-    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). CG: h (and
-    the pairs and their route weights) are read from L2, not the multiprocessor's own cache: written by other
-    programs of the same launch."""
-    b_pair = _load_cg(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M), None, None, CG)  # [BM]
+    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile's pairs b_pair [BLOCK_M] (expert i_e; P
+    in padding slots) and their route weights b_route [BLOCK_M], columns tile i_n. TMA: p_w is a tensor descriptor
+    of the weights as [E * H, I] rows (as in `_gate_up_tile`). CG: h is read from L2, not the multiprocessor's
+    own cache: written by other programs of the same launch."""
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
@@ -369,8 +378,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
             b_h = _load_cg(p_hk, m_hk, 0.0, CG)  # [BM, BK]
             b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
-    b_route = _load_cg(p_route + b_pair, m_m, 0.0, CG).to(tl.float32)  # [BM]
-    b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
+    b_y = (b_y * b_route.to(tl.float32)[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
     tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
 
 
@@ -384,14 +392,16 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         n_tiles = tl.cdiv(H, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
-                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
+            _down_tile(b_pair, _tile_routes(p_route, b_pair, P), t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw,
+                       p_y, P, E, H, I, s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
-            _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
-                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
+            _down_tile(b_pair, _tile_routes(p_route, b_pair, P), tl.program_id(1), i_e, p_h, p_w, p_sw, p_y, P, E, H,
+                       I, s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
@@ -407,10 +417,23 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
 
 
 @triton.jit
+def _read_ticket(p_ticket, E, P, BLOCK_M: tl.constexpr):
+    """Wait for a tile's ticket (`_write_tickets`) -> (expert, pairs [BLOCK_M], route weights [BLOCK_M])."""
+    ticket = tl.atomic_add(p_ticket, 0, sem="acquire", scope="gpu")
+    while ticket == 0:
+        ticket = tl.atomic_add(p_ticket, 0, sem="acquire", scope="gpu")
+    o_m = tl.arange(0, BLOCK_M)
+    i_e = (ticket >> 48).to(tl.int32) - 1
+    b_pair = tl.where(o_m == 0, ((ticket >> 32) & 0xFFFF).to(tl.int32), P)
+    b_route = tl.where(o_m == 0, (ticket & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    return i_e, b_pair, b_route
+
+
+@triton.jit
 def _experts_program(i_p, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I,
                      s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                      SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, CG: tl.constexpr):
+                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, TICKETS: tl.constexpr):
     """Program i_p of the experts' products in one launch. Programs below GATE_UP_PROGRAMS compute one gate_up
     tile each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the
     layout); the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of
@@ -418,71 +441,96 @@ def _experts_program(i_p, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pa
     started before a down program waits: the wait always ends. A pair tile's down products start as soon as its
     own h is written, not after the last gate_up tile of the window, and the launch between them is gone. Same
     tile functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there).
-    CG: the tiles were laid out by another program of the same launch (`_moe_kernel`)."""
+    TICKETS: each tile's expert, pair and route weight come in one word, p_expert[tile] (`_write_tickets`: a
+    one-row window routed by another program of the same launch), which the program waits for."""
     n_gate_up = tl.cdiv(I, BLOCK_N)
     if i_p < GATE_UP_PROGRAMS:
         i_b = i_p // n_gate_up
-        i_e = _load_cg(p_expert + i_b, None, None, CG)
+        if TICKETS:
+            i_e, b_pair, _ = _read_ticket(p_expert + i_b, E, P, BLOCK_M)
+        else:
+            i_e = tl.load(p_expert + i_b)
+            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
         if i_e < E + SHARED:
-            _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
-                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False, CG)
+            _gate_up_tile(b_pair, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, P, E, H, I, s_xr, s_gue, s_gun,
+                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False)
             tl.debug_barrier()  # every thread's h stores issued before the tile is counted
             tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
     else:
         n_down = tl.cdiv(H, DOWN_N)
         i_b = (i_p - GATE_UP_PROGRAMS) // n_down
         i_n = (i_p - GATE_UP_PROGRAMS) % n_down
-        i_e = _load_cg(p_expert + i_b, None, None, CG)
+        if TICKETS:
+            i_e, b_pair, b_route = _read_ticket(p_expert + i_b, E, P, BLOCK_M)
+        else:
+            i_e = tl.load(p_expert + i_b)
+            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
+            b_route = _tile_routes(p_route, b_pair, P)
         if i_e < E + SHARED:
             done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
-            _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
-                       BLOCK_M, DOWN_N, DOWN_K, False, True)
+            _down_tile(b_pair, b_route, i_n, i_e, p_h, p_wd, p_sd, p_y, P, E, H, I, s_de, s_dn, s_dk, SHARED, BLOCK_M,
+                       DOWN_N, DOWN_K, False, True)
 
 
 @triton.jit
-def _moe_kernel(p_x, p_router, p_logits, p_flags, p_weights, p_ids, p_gate, p_wgu, p_sgu, p_h, p_wd, p_sd, p_y,
-                p_pair, p_expert, p_scratch, p_used, p_done, R, E, H, I, K_CHUNK, s_xr, s_rn, s_rk, s_gue, s_gun,
-                s_guk, s_de, s_dn, s_dk, NUM_SLOTS, MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
+def _write_tickets(p_ids, p_weights, p_tickets, p_done, N_PAIRS, E_ALL, MAX_BLOCKS, BLOCK_T: tl.constexpr):
+    """A one-row window's tiles, one pair each (the row's experts are distinct), in ascending expert order as
+    `_lay_out_tiles` would lay them out, announced as tickets: p_tickets[tile] = (expert + 1) << 48 | pair << 32 |
+    the pair's route weight's bits; tiles past the row's pairs get expert E_ALL (no work). The handoff counters
+    p_done are zeroed first; the tickets are stored with release semantics."""
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < N_PAIRS
+    b_e = tl.load(p_ids + o_t, mask=m_t, other=E_ALL)
+    b_key = tl.sort((b_e.to(tl.int64) << 32) | o_t, 0)  # by expert (unique), padding lanes last
+    b_pair = (b_key & 0xFFFFFFFF).to(tl.int32)
+    m_pair = b_pair < N_PAIRS
+    b_w = tl.load(p_weights + b_pair, mask=m_pair, other=0.0)
+    b_ticket = (((b_key >> 32) + 1) << 48) | (tl.where(m_pair, b_pair, 0).to(tl.int64) << 32) \
+        | (b_w.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    m_b = o_t < MAX_BLOCKS
+    tl.store(p_done + o_t, tl.zeros([BLOCK_T], dtype=tl.int32), mask=m_b)
+    tl.debug_barrier()  # the counters zeroed before any tile is announced
+    tl.atomic_xchg(p_tickets + o_t, b_ticket, mask=m_b, sem="release", scope="gpu")
+
+
+@triton.jit
+def _moe_kernel(p_x, p_router, p_logits, p_count, p_weights, p_ids, p_gate, p_wgu, p_sgu, p_h, p_wd, p_sd, p_y,
+                p_tickets, p_done, E, H, I, K_CHUNK, s_xr, s_rn, s_rk, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
+                MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
                 TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
                 SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
-                ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                BLOCK_P: tl.constexpr, PAIR_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr,
                 DOWN_K: tl.constexpr, PDL: tl.constexpr):
-    """A window's whole MoE block in one launch (`moe_triton(flags=...)`): router, routing and both products.
+    """A one-row window's whole MoE block in one launch (`moe_triton(flags=...)`): router, routing and both
+    products.
 
     Programs below ROUTER_PROGRAMS compute the router's split-K tiles (`linear_tile`, as `linear_split` would) and
-    count themselves in p_flags[0]; the last one to arrive routes the rows and lays out their tiles (as
-    `route_triton(layout=...)`) and sets p_flags[1]. The programs after them are `_experts_program`, each first
-    waiting for p_flags[1]. The router programs have the lowest ids, so they have all started before an experts
-    program waits: the wait ends. p_flags: two int32 zeros. Same tile and routing functions as the separate
-    launches, so the same bits (the routing's sums are exact, so its warps do not matter)."""
+    count themselves in p_count; the last one to arrive routes the row (`_route_row`) and writes each tile's
+    ticket (`_write_tickets`). The programs after them are `_experts_program`s, each waiting for its tile's
+    ticket, which carries all it needs (no further loads before the weights'). The router programs have the
+    lowest ids, so they have all started before an experts program waits: the wait ends. p_count and p_tickets:
+    zeros. Same tile and routing functions as the separate launches, so the same bits (the routing's sums are
+    exact, so its warps do not matter)."""
     wait_for_prior(PDL)
     i_p = tl.program_id(0)
+    n_pairs = K_TOP + (SHARED > 0)
     if i_p < ROUTER_PROGRAMS:
         n_tiles = tl.cdiv(E, ROUTER_N)
-        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, R, E, H, K_CHUNK, s_xr, 1, s_rn,
+        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, 1, E, H, K_CHUNK, s_xr, 1, s_rn,
                     s_rk, E, False, SPLIT > 0, INPUT_PRECISION, BLOCK_M, ROUTER_N, ROUTER_K)
         tl.debug_barrier()  # every thread's partial sums stored before the program is counted
-        if tl.atomic_add(p_flags, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
-            for i_r in range(0, R):
-                _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, R * E, s_xr, SPLIT, TY, K_TOP,
-                           NORM_TOPK, SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
-            tl.debug_barrier()  # every row's ids stored before the layout reads them
-            _lay_out_tiles(p_ids, p_pair, p_expert, p_scratch, p_used, p_done, R * (K_TOP + (SHARED > 0)),
-                           E + (SHARED > 0), NUM_SLOTS, MAX_BLOCKS, BLOCK_M, BLOCK_P, PAIR_BITS, BLOCK_S, True)
-            tl.debug_barrier()  # the tiles stored before they are announced
-            tl.atomic_xchg(p_flags + 1, 1, sem="release", scope="gpu")
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
+            _route_row(0, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, E, s_xr, SPLIT, TY, K_TOP, NORM_TOPK,
+                       SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
+            tl.debug_barrier()  # the row's ids and weights stored before they are read back
+            _write_tickets(p_ids, p_weights, p_tickets, p_done, n_pairs, E + (SHARED > 0), MAX_BLOCKS, BLOCK_T)
     else:
-        routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
-        while routed == 0:
-            routed = tl.atomic_add(p_flags + 1, 0, sem="acquire", scope="gpu")
-        _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_pair, p_expert,
-                         p_done, R * (K_TOP + (SHARED > 0)), E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
-                         GATE_UP_PROGRAMS, SHARED > 0, K_TOP + (SHARED > 0), BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N,
-                         DOWN_K, True)
+        _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_tickets,
+                         p_tickets, p_done, n_pairs, E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
+                         GATE_UP_PROGRAMS, SHARED > 0, n_pairs, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N, DOWN_K, True)
 
 
 @triton.jit
@@ -798,24 +846,30 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
+ONE_LAUNCH_FLAGS = 32  # int64 words a one-launch MoE block takes (`moe_triton(flags=...)`): a count and its tickets
+
+
 def _moe_one_launch(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                     norm_topk: bool, mode: str | None, shared: tuple[torch.Tensor, torch.Tensor] | None,
                     shared_gate: torch.Tensor | None, tiles: ExpertTiles, flags: torch.Tensor) -> PairSum:
-    """`_moe_kernel` over a window of a row or two: the PairSum that `linear_split` + `route_triton(layout=...)` +
+    """`_moe_kernel` over a one-row window: the PairSum that `linear_split` + `route_triton(layout=...)` +
     `fused_experts_triton` would give, from one launch."""
     R, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    assert R == 1, "one launch routes a one-row window"
     assert router.shape == (E, H) and router.dtype == x.dtype, f"router: [{E}, {H}] in {x.dtype}"
-    assert flags.dtype == torch.int32 and flags.numel() >= 2 and flags.is_contiguous(), "flags: two int32 zeros"
+    assert flags.dtype == torch.int64 and flags.shape == (ONE_LAUNCH_FLAGS,) and flags.is_contiguous(), \
+        f"flags: [{ONE_LAUNCH_FLAGS}] int64 zeros"
     assert shared is None or shared_fits(shared, gate_up, down), \
         "the shared expert's gate_up and down must have the routed experts' shapes and strides"
     x = x.contiguous()
     dev = x.device
     gated = mode == "gated"
-    if gated:
-        assert shared_gate is not None, "the gated shared pair needs its gate"
+    assert not gated or shared_gate is not None, "the gated shared pair needs its gate"
     pairs = top_k + (mode is not None)
     held = E + (mode is not None)
+    max_blocks = _max_tiles(pairs, held, tiles.block_m)
+    assert max_blocks < ONE_LAUNCH_FLAGS and pairs <= tiles.block_m, f"{pairs} pairs a row: too many for one launch"
     block_n, block_k, _ = LINEAR_CONFIGS[x.dtype]
     split = split_k(E, H, block_n, block_k)
     # the router's sums where linear_split would leave them: float32 chunks, or the finished logits
@@ -823,27 +877,25 @@ def _moe_one_launch(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor
         torch.empty(R, E, dtype=x.dtype, device=dev)
     weights = torch.empty(R, pairs, dtype=torch.float32, device=dev)  # [R, pairs]
     ids = torch.empty(R, pairs, dtype=torch.int32, device=dev)  # [R, pairs]
-    (pair_of_slot, expert_of_block, used, done), lay = _layout_buffers(R * pairs, held, tiles.block_m, dev, True)
-    max_blocks = expert_of_block.shape[0]
+    done = torch.empty(max_blocks, dtype=torch.int32, device=dev)  # the handoff counters (zeroed in the launch)
     s_gate_up, s_down = shared if shared is not None else (gate_up, down)
-    h = torch.empty(R * pairs, I, dtype=x.dtype, device=dev)  # [P, I]
-    y = torch.empty(R * pairs, H, dtype=torch.float32, device=dev)  # [P, H]
+    h = torch.empty(pairs, I, dtype=x.dtype, device=dev)  # [P, I]
+    y = torch.empty(pairs, H, dtype=torch.float32, device=dev)  # [P, H]
     gate = shared_gate.reshape(-1).contiguous() if gated else x
     router_programs = triton.cdiv(E, block_n) * split
     down_n, down_k = tiles.down_n or tiles.block_n, tiles.down_k or tiles.block_k
     gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
-    assert LINEAR_BLOCK_M == tiles.block_m and R <= tiles.block_m, "one router row tile, the experts' pair tiles"
+    assert LINEAR_BLOCK_M == tiles.block_m, "the router's row tile is the experts' pair tile"
     _moe_kernel[(router_programs + gate_up_programs + max_blocks * triton.cdiv(H, down_n),)](
-        x, router, logits, flags, weights, ids, gate, gate_up, s_gate_up, h, down, s_down, y,
-        pair_of_slot, expert_of_block, lay["pointers"][2], used, done, R, E, H, I, H // split, x.stride(0),
-        *router.stride(), *gate_up.stride(), *down.stride(), *lay["sizes"], router_programs, gate_up_programs,
+        x, router, logits, flags, weights, ids, gate, gate_up, s_gate_up, h, down, s_down, y, flags[1:], done,
+        E, H, I, H // split, x.stride(0), *router.stride(), *gate_up.stride(), *down.stride(), max_blocks,
+        router_programs, gate_up_programs,
         TY=tl_dtype(x.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED={None: 0, "plain": 1, "gated": 2}[mode],
         SPLIT=split if split > 1 else 0, BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
         BLOCK_H=triton.next_power_of_2(H) if gated else 1, ROUTER_N=block_n, ROUTER_K=block_k,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_P=lay["meta"]["BLOCK_P"],
-        PAIR_BITS=lay["meta"]["PAIR_BITS"], BLOCK_S=lay["meta"]["BLOCK_S"], BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl(x))
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_T=ONE_LAUNCH_FLAGS,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
     return PairSum(y, ids, held, x.dtype)
 
 
@@ -866,13 +918,13 @@ def moe_triton(
     may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish.
     `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
-    roundings than the separate products (the same for a row whatever shares its window). `flags`: two int32
-    zeros for this call alone (zeroed before the window's first kernel); with them a window of up to
-    ROUTE_LAYOUT_ROWS rows runs router, routing and experts in one launch (`_moe_kernel`; `linear` must be
-    `linear_split`, whose tiles it computes): the same bits as the separate launches."""
+    roundings than the separate products (the same for a row whatever shares its window). `flags`: ONE_LAUNCH_FLAGS
+    int64 zeros for this call alone (zeroed before the window's first kernel); with them a one-row window runs
+    router, routing and experts in one launch (`_moe_kernel`; `linear` must be `linear_split`, whose tiles it
+    computes): the same bits as the separate launches."""
     as_pair = shared is not None and shared_pair and shared_fits(shared, gate_up, down)
     mode = ("gated" if shared_gate is not None else "plain") if as_pair else None
-    if flags is not None and tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS:
+    if flags is not None and tiles.handoff and x.shape[0] == 1:
         assert linear is linear_split, "one launch computes the router as linear_split's tiles"
         pairs = _moe_one_launch(x, router, gate_up, down, top_k, norm_topk, mode, shared if as_pair else None,
                                 shared_gate, tiles, flags)

@@ -21,7 +21,7 @@ from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
-from strata.kernels.moe import ROUTE_LAYOUT_ROWS, moe_triton
+from strata.kernels.moe import ONE_LAUNCH_FLAGS, moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
@@ -65,10 +65,10 @@ class TritonDecode:
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
 
     def _moe_flags(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[layers, 2] int32 zeros for the one-launch MoE blocks of this window, or None where they do not run."""
-        if not self.ONE_LAUNCH_MOE or not 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS:
+        """[layers, ONE_LAUNCH_FLAGS] int64 zeros for the one-launch MoE blocks of a one-row window, else None."""
+        if not self.ONE_LAUNCH_MOE or x.shape[0] != 1:
             return None
-        return torch.zeros(len(self.spec.layers), 2, dtype=torch.int32, device=x.device)
+        return torch.zeros(len(self.spec.layers), ONE_LAUNCH_FLAGS, dtype=torch.int64, device=x.device)
 
     def _add_norm(self, h, x, weight):
         """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give. h may be
