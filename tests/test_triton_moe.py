@@ -308,30 +308,34 @@ def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, sh
     torch.testing.assert_close(full.float(), ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("hidden", [40, 512], ids=lambda h: f"H={h}")  # 512: the router split over K
+@pytest.mark.parametrize("hidden", [40, 512], ids=lambda h: f"H={h}")  # 512: the router and the input split over K
 @pytest.mark.parametrize("shared", [None, "plain", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_one_launch_moe_gives_the_same_bits(dtype, shared, hidden):
-    """moe_triton(flags=...): router, routing and experts of a one-row window in one launch (`_moe_kernel`) leave
-    the pairs the separate launches leave, bit for bit: ids, every pair's output, the finished block. The flags end
-    as the count of router programs and one ticket a tile (expert + 1, pair, route weight), in expert order."""
+def test_one_launch_moe_block_gives_the_same_bits(dtype, shared, hidden):
+    """moe_block_one_launch: residual norm, router, routing and experts of a one-row window in one launch
+    (`_moe_kernel`) give what `add_rms_norm_triton` + `moe_triton` give, bit for bit: the new residual, ids, every
+    pair's output, the finished block. The flags end as the count of router programs and one ticket a tile
+    (expert + 1, pair, route weight), in expert order."""
     from strata.kernels.linear import linear_split
+    from strata.kernels.rmsnorm import add_rms_norm_triton
 
-    rows = 1
     g = _gen(hidden)
 
     def rand(*shape):
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
 
-    gate_up, down = rand(EXPERTS, 2 * INTER, hidden), rand(EXPERTS, hidden, INTER)
+    router, gate_up, down = rand(EXPERTS, hidden), rand(EXPERTS, 2 * INTER, hidden), rand(EXPERTS, hidden, INTER)
     pair = (rand(2 * INTER, hidden), rand(hidden, INTER)) if shared else None  # the shared expert, as a pair
     gate = rand(1, hidden) if shared == "gated" else None
-    x = torch.randn(rows, hidden, generator=g).to(dtype)
-    args = (x, rand(EXPERTS, hidden), gate_up, down, 3, True, pair, gate)
-    kw = dict(linear=linear_split, defer=True, shared_pair=True)
-    want = moe_triton(*args, **kw)
+    residual = torch.randn(1, hidden, generator=g).to(dtype)
+    h = linear_split(torch.randn(1, 2 * hidden, generator=g).to(dtype), rand(hidden, 2 * hidden))  # a mixer's output
+    norm = torch.rand(hidden, generator=g) + 0.5
+    x, want_res = add_rms_norm_triton(h, residual, norm, 1e-6, decode=True)
+    want = moe_triton(x, router, gate_up, down, 3, True, pair, gate, linear=linear_split, defer=True, shared_pair=True)
     flags = torch.zeros(moe_module.ONE_LAUNCH_FLAGS, dtype=torch.int64)
-    got = moe_triton(*args, **kw, flags=flags)
+    got, got_res = moe_module.moe_block_one_launch(h, residual, norm, 1e-6, router, gate_up, down, 3, True, pair, gate,
+                                                   flags)
+    assert torch.equal(got_res, want_res)
     assert torch.equal(got.ids, want.ids)
     assert torch.equal(got.y, want.y)
     assert torch.equal(combine_triton(got), combine_triton(want))
@@ -342,7 +346,7 @@ def test_one_launch_moe_gives_the_same_bits(dtype, shared, hidden):
     assert torch.equal((tickets >> 48) - 1, got.ids[0].long()[order])  # experts ascending
     assert torch.equal((tickets >> 32) & 0xFFFF, order)  # each tile's pair
     weights = (tickets & 0xFFFFFFFF).int().view(torch.float32)
-    assert torch.equal(weights, route_triton(linear_split(x, args[1]), 3, True, shared, x, gate)[0][0][order])
-    ref = moe(x.float(), args[1].float(), gate_up.float(), down.float(), 3, True,
+    assert torch.equal(weights, route_triton(linear_split(x, router), 3, True, shared, x, gate)[0][0][order])
+    ref = moe(x.float(), router.float(), gate_up.float(), down.float(), 3, True,
               tuple(t.float() for t in pair) if pair else None, gate.float() if gate is not None else None)
     torch.testing.assert_close(combine_triton(got).float(), ref, **TOL[dtype])

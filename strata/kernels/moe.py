@@ -18,8 +18,9 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import exact_sum, plain
-from strata.kernels.linear import BLOCK_M as LINEAR_BLOCK_M, CONFIGS as LINEAR_CONFIGS, linear_split, linear_tile, split_k
+from strata.kernels.linear import BLOCK_M as LINEAR_BLOCK_M, CONFIGS as LINEAR_CONFIGS, linear_tile, split_k
 from strata.kernels.pdl import pdl, wait_for_prior
+from strata.kernels.rmsnorm import MAX_D, normalize
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
 Linear = Callable[..., torch.Tensor]  # F.linear or a row-invariant linear
@@ -496,40 +497,49 @@ def _write_tickets(p_ids, p_weights, p_tickets, p_done, N_PAIRS, E_ALL, MAX_BLOC
 
 
 @triton.jit
-def _moe_kernel(p_x, p_router, p_logits, p_count, p_weights, p_ids, p_gate, p_wgu, p_sgu, p_h, p_wd, p_sd, p_y,
-                p_tickets, p_done, E, H, I, K_CHUNK, s_xr, s_rn, s_rk, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
-                MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
-                TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+def _moe_kernel(p_in, p_res, p_res_out, p_norm, p_x, p_router, p_logits, p_count, p_weights, p_ids, p_gate, p_wgu,
+                p_sgu, p_h, p_wd, p_sd, p_y, p_tickets, p_done, E, H, I, K_CHUNK, s_chunk_in, eps, s_rn, s_rk, s_gue,
+                s_gun, s_guk, s_de, s_dn, s_dk, MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
+                SPLIT_IN: tl.constexpr, BLOCK_D: tl.constexpr, TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
                 SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
                 ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr,
                 DOWN_K: tl.constexpr, PDL: tl.constexpr):
-    """A one-row window's whole MoE block in one launch (`moe_triton(flags=...)`): router, routing and both
-    products.
+    """A one-row window's whole MoE block in one launch (`moe_block_one_launch`): residual norm, router, routing
+    and both products.
 
-    Programs below ROUTER_PROGRAMS compute the router's split-K tiles (`linear_tile`, as `linear_split` would) and
-    count themselves in p_count; the last one to arrive routes the row (`_route_row`) and writes each tile's
-    ticket (`_write_tickets`). The programs after them are `_experts_program`s, each waiting for its tile's
-    ticket, which carries all it needs (no further loads before the weights'). The router programs have the
-    lowest ids, so they have all started before an experts program waits: the wait ends. p_count and p_tickets:
-    zeros. Same tile and routing functions as the separate launches, so the same bits (the routing's sums are
-    exact, so its warps do not matter)."""
+    Programs below ROUTER_PROGRAMS each add the block's input (the mixer's output at p_in, SPLIT_IN chunks or
+    plain) to the residual and normalise it, as `add_rms_norm_triton` does (its sum is exact: the same bits here),
+    and store both (p_res_out, p_x: every such program the same bits); then compute the router's split-K tiles
+    (`linear_tile`, as `linear_split` would) and count themselves in p_count; the last one to arrive routes the row
+    (`_route_row`) and writes each tile's ticket (`_write_tickets`). The programs after them are
+    `_experts_program`s, each waiting for its tile's ticket, which carries all it needs (no further loads before
+    the weights'). The router programs have the lowest ids, so they have all started before an experts program
+    waits: the wait ends. p_count and p_tickets: zeros. Same tile, norm and routing functions as the separate
+    launches, so the same bits (the norm's and the routing's sums are exact: their warps do not matter)."""
     wait_for_prior(PDL)
     i_p = tl.program_id(0)
     n_pairs = K_TOP + (SHARED > 0)
     if i_p < ROUTER_PROGRAMS:
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < H
+        b_in = load_rows(p_in + o_d, m_d, s_chunk_in, SPLIT_IN, TY)
+        b_x = (tl.load(p_res + o_d, mask=m_d, other=0.0).to(tl.float32) + b_in.to(tl.float32)).to(TY)
+        tl.store(p_res_out + o_d, b_x, mask=m_d)
+        tl.store(p_x + o_d, normalize(b_x, p_norm, o_d, m_d, H, eps).to(TY), mask=m_d)
+        tl.debug_barrier()  # the normalised row stored before this program's router tile reads it
         n_tiles = tl.cdiv(E, ROUTER_N)
-        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, 1, E, H, K_CHUNK, s_xr, 1, s_rn,
+        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, 1, E, H, K_CHUNK, H, 1, s_rn,
                     s_rk, E, False, SPLIT > 0, INPUT_PRECISION, BLOCK_M, ROUTER_N, ROUTER_K)
         tl.debug_barrier()  # every thread's partial sums stored before the program is counted
         if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
-            _route_row(0, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, E, s_xr, SPLIT, TY, K_TOP, NORM_TOPK,
+            _route_row(0, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, E, H, SPLIT, TY, K_TOP, NORM_TOPK,
                        SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
             tl.debug_barrier()  # the row's ids and weights stored before they are read back
             _write_tickets(p_ids, p_weights, p_tickets, p_done, n_pairs, E + (SHARED > 0), MAX_BLOCKS, BLOCK_T)
     else:
         _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_tickets,
-                         p_tickets, p_done, n_pairs, E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
+                         p_tickets, p_done, n_pairs, E, H, I, H, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
                          GATE_UP_PROGRAMS, SHARED > 0, n_pairs, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N, DOWN_K, True)
 
 
@@ -846,57 +856,68 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
-ONE_LAUNCH_FLAGS = 32  # int64 words a one-launch MoE block takes (`moe_triton(flags=...)`): a count and its tickets
+ONE_LAUNCH_FLAGS = 32  # int64 words a one-launch MoE block takes (`moe_block_one_launch`): a count and its tickets
 
 
-def _moe_one_launch(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                    norm_topk: bool, mode: str | None, shared: tuple[torch.Tensor, torch.Tensor] | None,
-                    shared_gate: torch.Tensor | None, tiles: ExpertTiles, flags: torch.Tensor) -> PairSum:
-    """`_moe_kernel` over a one-row window: the PairSum that `linear_split` + `route_triton(layout=...)` +
-    `fused_experts_triton` would give, from one launch."""
-    R, H = x.shape
+def moe_block_one_launch(h: torch.Tensor | SplitSum, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool,
+                         shared: tuple[torch.Tensor, torch.Tensor] | None, shared_gate: torch.Tensor | None,
+                         flags: torch.Tensor, tiles: ExpertTiles = DECODE_TILES) -> tuple[PairSum, torch.Tensor]:
+    """A one-row decode window's MoE block with its residual norm, in one launch (`_moe_kernel`): bitwise what
+    `add_rms_norm_triton(h, residual, norm_weight, eps, decode=True)` followed by `moe_triton(..., linear=linear_split,
+    defer=True, shared_pair=True)` give. h: the mixer's output [1, H] (a tensor or a `SplitSum`); residual [1, H];
+    norm_weight [H] float32; shared: a shared expert of the routed experts' shape (`shared_fits`), gated by
+    shared_gate [1, H] when given; flags: ONE_LAUNCH_FLAGS int64 zeros for this call alone (zeroed before the
+    window's first kernel). Returns (the pairs for the next norm to add, the new residual [1, H])."""
+    R, H = residual.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
-    assert R == 1, "one launch routes a one-row window"
-    assert router.shape == (E, H) and router.dtype == x.dtype, f"router: [{E}, {H}] in {x.dtype}"
+    assert R == 1 and tuple(h.shape) == (1, H) and h.dtype == residual.dtype, "one row: h and residual [1, H]"
+    assert H <= MAX_D and norm_weight.shape == (H,) and norm_weight.dtype == torch.float32, "norm weight: [H] float32"
+    assert router.shape == (E, H) and router.dtype == residual.dtype, f"router: [{E}, {H}] in {residual.dtype}"
     assert flags.dtype == torch.int64 and flags.shape == (ONE_LAUNCH_FLAGS,) and flags.is_contiguous(), \
         f"flags: [{ONE_LAUNCH_FLAGS}] int64 zeros"
     assert shared is None or shared_fits(shared, gate_up, down), \
-        "the shared expert's gate_up and down must have the routed experts' shapes and strides"
-    x = x.contiguous()
-    dev = x.device
-    gated = mode == "gated"
-    assert not gated or shared_gate is not None, "the gated shared pair needs its gate"
+        "one launch takes a shared expert of the routed experts' shapes and strides only"
+    if isinstance(h, torch.Tensor) and h.stride(-1) != 1:
+        h = h.contiguous()
+    p_in, s_chunk_in, split_in = source(h)
+    residual = residual.contiguous()
+    dev, dtype = residual.device, residual.dtype
+    mode = None if shared is None else "plain" if shared_gate is None else "gated"
     pairs = top_k + (mode is not None)
     held = E + (mode is not None)
     max_blocks = _max_tiles(pairs, held, tiles.block_m)
     assert max_blocks < ONE_LAUNCH_FLAGS and pairs <= tiles.block_m, f"{pairs} pairs a row: too many for one launch"
-    block_n, block_k, _ = LINEAR_CONFIGS[x.dtype]
+    block_n, block_k, _ = LINEAR_CONFIGS[dtype]
     split = split_k(E, H, block_n, block_k)
     # the router's sums where linear_split would leave them: float32 chunks, or the finished logits
     logits = torch.empty(split, R, E, dtype=torch.float32, device=dev) if split > 1 else \
-        torch.empty(R, E, dtype=x.dtype, device=dev)
+        torch.empty(R, E, dtype=dtype, device=dev)
+    x = torch.empty(R, H, dtype=dtype, device=dev)  # the normalised row
+    res_out = torch.empty(R, H, dtype=dtype, device=dev)
     weights = torch.empty(R, pairs, dtype=torch.float32, device=dev)  # [R, pairs]
     ids = torch.empty(R, pairs, dtype=torch.int32, device=dev)  # [R, pairs]
     done = torch.empty(max_blocks, dtype=torch.int32, device=dev)  # the handoff counters (zeroed in the launch)
     s_gate_up, s_down = shared if shared is not None else (gate_up, down)
-    h = torch.empty(pairs, I, dtype=x.dtype, device=dev)  # [P, I]
+    out_h = torch.empty(pairs, I, dtype=dtype, device=dev)  # [P, I]
     y = torch.empty(pairs, H, dtype=torch.float32, device=dev)  # [P, H]
-    gate = shared_gate.reshape(-1).contiguous() if gated else x
+    gate = shared_gate.reshape(-1).contiguous() if mode == "gated" else x
     router_programs = triton.cdiv(E, block_n) * split
     down_n, down_k = tiles.down_n or tiles.block_n, tiles.down_k or tiles.block_k
     gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
     assert LINEAR_BLOCK_M == tiles.block_m, "the router's row tile is the experts' pair tile"
     _moe_kernel[(router_programs + gate_up_programs + max_blocks * triton.cdiv(H, down_n),)](
-        x, router, logits, flags, weights, ids, gate, gate_up, s_gate_up, h, down, s_down, y, flags[1:], done,
-        E, H, I, H // split, x.stride(0), *router.stride(), *gate_up.stride(), *down.stride(), max_blocks,
-        router_programs, gate_up_programs,
-        TY=tl_dtype(x.dtype), K_TOP=top_k, NORM_TOPK=norm_topk, SHARED={None: 0, "plain": 1, "gated": 2}[mode],
-        SPLIT=split if split > 1 else 0, BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
-        BLOCK_H=triton.next_power_of_2(H) if gated else 1, ROUTER_N=block_n, ROUTER_K=block_k,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_T=ONE_LAUNCH_FLAGS,
+        p_in, residual, res_out, norm_weight.contiguous(), x, router, logits, flags, weights, ids, gate, gate_up,
+        s_gate_up, out_h, down, s_down, y, flags[1:], done, E, H, I, H // split, s_chunk_in, eps, *router.stride(),
+        *gate_up.stride(), *down.stride(), max_blocks, router_programs, gate_up_programs,
+        SPLIT_IN=split_in, BLOCK_D=triton.next_power_of_2(H), TY=tl_dtype(dtype), K_TOP=top_k, NORM_TOPK=norm_topk,
+        SHARED={None: 0, "plain": 1, "gated": 2}[mode], SPLIT=split if split > 1 else 0,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
+        BLOCK_H=triton.next_power_of_2(H) if mode == "gated" else 1, ROUTER_N=block_n, ROUTER_K=block_k,
+        INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_T=ONE_LAUNCH_FLAGS,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
-    return PairSum(y, ids, held, x.dtype)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(residual))
+    return PairSum(y, ids, held, dtype), res_out
 
 
 def moe_triton(
@@ -912,26 +933,14 @@ def moe_triton(
     tiles: ExpertTiles = DECODE_TILES,
     defer: bool = False,
     shared_pair: bool = False,
-    flags: torch.Tensor | None = None,
 ) -> torch.Tensor | PairSum:
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products (it
     may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish.
     `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
-    roundings than the separate products (the same for a row whatever shares its window). `flags`: ONE_LAUNCH_FLAGS
-    int64 zeros for this call alone (zeroed before the window's first kernel); with them a one-row window runs
-    router, routing and experts in one launch (`_moe_kernel`; `linear` must be `linear_split`, whose tiles it
-    computes): the same bits as the separate launches."""
+    roundings than the separate products (the same for a row whatever shares its window)."""
     as_pair = shared is not None and shared_pair and shared_fits(shared, gate_up, down)
     mode = ("gated" if shared_gate is not None else "plain") if as_pair else None
-    if flags is not None and tiles.handoff and x.shape[0] == 1:
-        assert linear is linear_split, "one launch computes the router as linear_split's tiles"
-        pairs = _moe_one_launch(x, router, gate_up, down, top_k, norm_topk, mode, shared if as_pair else None,
-                                shared_gate, tiles, flags)
-        if shared is not None and not as_pair:
-            pairs = replace(pairs, shared=linear(silu_mul_triton(linear(x, shared[0])), shared[1]),
-                            shared_gate=linear(x, shared_gate) if shared_gate is not None else None)
-        return pairs if defer else combine_triton(pairs, tiles.combine_n)
     logits = linear(x, router)
     # a window of a row or two: the routing program lays the tiles out too (one launch fewer)
     lay = (tiles.block_m, True) if tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS else None

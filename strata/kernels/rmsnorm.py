@@ -13,18 +13,18 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs
-from strata.kernels.invariant import plain
+from strata.kernels.invariant import exact_sum, plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
 
-def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnormalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D]; weight: [D] float32 -> x / rms(x) * weight, in float32."""
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_normalize(x, weight, eps).to(x.dtype)
+    return rmsnormalize(x, weight, eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, rows=plain) -> torch.Tensor:
@@ -49,11 +49,11 @@ MAX_D = 16384
 
 
 @triton.jit
-def _normalize(b_x, p_w, o_d, m_d, D, eps):
+def normalize(b_x, p_w, o_d, m_d, D, eps):
     """x / rms(x) * weight in float32, over one row vector held whole in the block."""
     b_x = b_x.to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
-    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    b_rstd = tl.rsqrt(exact_sum(b_x * b_x) / D + eps)  # exact: the same bits on any warps, in any kernel
     return b_x * b_rstd * b_w
 
 
@@ -74,7 +74,7 @@ def _rms_norm_kernel(
         i_h = tl.program_id(1) * HEADS + j
         m_d = (o_d < D) & (i_h < H)
         b_x = tl.load(p_x + i_r * stride_xr + i_h * stride_xh + o_d, mask=m_d, other=0.0)
-        b_y = _normalize(b_x, p_w, o_d, o_d < D, D, eps)
+        b_y = normalize(b_x, p_w, o_d, o_d < D, D, eps)
         if GATED:
             b_g = tl.load(p_gate + i_r * stride_gr + i_h * stride_gh + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
@@ -105,7 +105,7 @@ def _add_rms_norm_kernel(
     b_res = tl.load(p_res + r * s_res + o_d, mask=m_d, other=0.0)
     b_x = (b_res.to(tl.float32) + b_h.to(tl.float32)).to(TY)  # rounds as torch's residual + x
     tl.store(p_res_out + r * D + o_d, b_x, mask=m_d)
-    tl.store(p_out + r * D + o_d, _normalize(b_x, p_w, o_d, m_d, D, eps).to(TY), mask=m_d)
+    tl.store(p_out + r * D + o_d, normalize(b_x, p_w, o_d, m_d, D, eps).to(TY), mask=m_d)
 
 
 def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -117,8 +117,7 @@ def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def norm_warps(block: int) -> int:
-    """Warps of a norm over a block-wide row vector. A row's sum order depends on it: every kernel that must match
-    the norm kernel's bits (`qk_prep`'s q/k norms) takes its warps from here."""
+    """Warps of a norm over a block-wide row vector (its sum is exact: the bits do not depend on them)."""
     return min(16, max(1, block // 512))
 
 
@@ -127,7 +126,7 @@ def add_norm_warps(block: int, decode: bool = False) -> int:
     normalises, so it takes more warps than the plain norm to keep those loads in flight. `decode`: a decode
     window's, whose few programs (one per row) sit on the step's critical path: 16 (eighth session, H200, A/B in
     one process against 8 at a 2,048-wide row: 30B shape +1.0 % tok/s at 1 row and +0.6 % at 8, Qwen3-Next +1.6 %
-    and +1.0 %; 4 warps: -3.5 % at 1 row). A row's sum order depends on it: a decode window always passes it."""
+    and +1.0 %; 4 warps: -3.5 % at 1 row). The sum is exact (`exact_sum`): the bits do not depend on the warps."""
     return 16 if decode else min(16, max(4, block // 256))
 
 
@@ -169,8 +168,8 @@ def add_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm` in one pass: x, residual: [R, D] or [R, H, D], same dtype -> (normed, new residual).
     x may be left unfinished by the kernel before (`deferred.SplitSum` or `PairSum`, [R, D]): it is finished here,
-    bitwise as its own kernel would have, at no launch of its own. `decode`: a decode window's (`add_norm_warps`;
-    other sum order than a prompt window's, the same at every row count)."""
+    bitwise as its own kernel would have, at no launch of its own. `decode`: a decode window's (more warps:
+    `add_norm_warps`; the same bits)."""
     shape, d = residual.shape, residual.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
     assert tuple(x.shape) == tuple(shape) and x.dtype == residual.dtype, "x and residual: same shape and dtype"
