@@ -122,18 +122,6 @@ def cases():
             constexprs=dict(SHARED=shared, K_TOP=8, DOWN_N=t.down_n, DOWN_K=t.down_k or t.block_k, **tiles),
             pointers=expert_ptrs, plain=("P", "E", "GATE_UP_PROGRAMS"), ones=("s_guk", "s_dk"),
             num_warps=t.num_warps, num_stages=t.num_stages)))
-    bn, bk, _ = linear.CONFIGS[torch.bfloat16]
-    for experts, top, shared in [(128, 8, 0), (512, 10, 2)]:
-        out.append((f"_moe_kernel E={experts} (router, routing, experts)", moe._moe_kernel, dict(
-            constexprs=dict(SPLIT_IN=8, BLOCK_D=2048, TY=tl.bfloat16, K_TOP=top, NORM_TOPK=True, SHARED=shared,
-                            SPLIT=8, BLOCK_E=experts,
-                            BLOCK_TOP=16 if shared else 8, BLOCK_H=2048 if shared else 1, ROUTER_N=bn, ROUTER_K=bk,
-                            INPUT_PRECISION="tf32", BLOCK_T=moe.ONE_LAUNCH_FLAGS, DOWN_N=t.down_n,
-                            DOWN_K=t.down_k or t.block_k, **tiles),
-            pointers=dict(expert_ptrs, p_in=f32, p_norm=f32, p_logits=f32, p_count="i64", p_tickets="i64",
-                          p_weights=f32, p_ids="i32"),
-            plain=("E", "MAX_BLOCKS", "ROUTER_PROGRAMS", "GATE_UP_PROGRAMS"),
-            ones=("s_rk", "s_guk", "s_dk"), num_warps=t.num_warps, num_stages=t.num_stages)))
     out.append(("_gate_up_kernel", moe._gate_up_kernel, dict(
         constexprs=dict(SHARED=False, K_TOP=8, PERSISTENT=False, TMA=False, **tiles), pointers=expert_ptrs,
         plain=("P", "E"), ones=("s_wk",), num_warps=t.num_warps, num_stages=t.num_stages)))

@@ -120,31 +120,22 @@ def finish(value: Deferred | None) -> torch.Tensor | None:
 
 
 @triton.jit
-def _load(p, mask, CG: tl.constexpr):
-    if CG:
-        return tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        return tl.load(p, mask=mask, other=0.0)
-
-
-@triton.jit
-def sum_chunks(p, mask, s_chunk, SPLIT: tl.constexpr, CG: tl.constexpr = False):
-    """The float32 sum of SPLIT chunks at p, p + s_chunk, ..., added in chunk order starting from 0. CG: read from
-    L2 (chunks written by other programs of the same launch)."""
-    b_acc = 0.0 + _load(p, mask, CG)
+def sum_chunks(p, mask, s_chunk, SPLIT: tl.constexpr):
+    """The float32 sum of SPLIT chunks at p, p + s_chunk, ..., added in chunk order starting from 0."""
+    b_acc = 0.0 + tl.load(p, mask=mask, other=0.0)
     for i_s in tl.static_range(1, SPLIT):
-        b_acc += _load(p + tl.full([], i_s, tl.int64) * s_chunk, mask, CG)
+        b_acc += tl.load(p + tl.full([], i_s, tl.int64) * s_chunk, mask=mask, other=0.0)
     return b_acc
 
 
 @triton.jit
-def load_rows(p, mask, s_chunk, SPLIT: tl.constexpr, TY: tl.constexpr, CG: tl.constexpr = False):
+def load_rows(p, mask, s_chunk, SPLIT: tl.constexpr, TY: tl.constexpr):
     """Values at p of a plain tensor (SPLIT 0: loaded as stored) or of a SplitSum (its chunks summed, rounded to
-    TY, as the stand-alone sum stores them). CG: as in `sum_chunks`."""
+    TY, as the stand-alone sum stores them)."""
     if SPLIT == 0:
-        return _load(p, mask, CG)
+        return tl.load(p, mask=mask, other=0.0)
     else:
-        return sum_chunks(p, mask, s_chunk, SPLIT, CG).to(TY)
+        return sum_chunks(p, mask, s_chunk, SPLIT).to(TY)
 
 
 @triton.jit

@@ -13,8 +13,8 @@ so float32 uses blocks of 3; bfloat16 products of 1 and 8 rows take 20.5 and 21.
 
 On the GPU a kernel's reduction order follows its thread layout, so two kernels with different warps sum the same
 vector in different orders. `exact_sum` sums in fixed point, where addition is exact: its bits are the same in any
-kernel, at any warps, which lets one reduction be computed inside different launches (the routing of a one-row
-window runs on the experts kernel's warps, of wider windows on its own).
+kernel, at any warps. The norms and the routing use it, so their warps are chosen for speed alone, and a reduction
+can move into another kernel (of other warps) without changing a row's bits.
 """
 
 from __future__ import annotations

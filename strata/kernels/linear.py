@@ -62,9 +62,9 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, weight, bias)
 
 
-@triton.jit
-def linear_tile(
-    i_n, i_m, i_s, p_x, p_w, p_b, p_out,
+@triton.jit(do_not_specialize=["M"])
+def linear_kernel(
+    p_x, p_w, p_b, p_out,
     M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr,
@@ -73,11 +73,14 @@ def linear_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile (column tile i_n, row tile i_m) over the K columns [i_s * K_CHUNK, (i_s + 1) *
-    K_CHUNK). PARTIAL: store the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished
-    tile. Kernels that compute a projection inside a larger launch (`moe._moe_kernel`'s router) call it as
-    `linear_kernel` does, so the bits are the same."""
+    """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
+    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
+    wait_for_prior(PDL)
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    i_s = tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -106,26 +109,6 @@ def linear_tile(
             b_acc += tl.load(p_b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
         tl.store(p_o, b_acc.to(p_out.dtype.element_ty), mask=m_o)
-
-
-@triton.jit(do_not_specialize=["M"])
-def linear_kernel(
-    p_x, p_w, p_b, p_out,
-    M, N, K, K_CHUNK,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`linear_tile` (program_id(0), program_id(1), program_id(2))."""
-    wait_for_prior(PDL)
-    linear_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), p_x, p_w, p_b, p_out, M, N, K, K_CHUNK,
-                stride_xm, stride_xk, stride_wn, stride_wk, stride_om, HAS_BIAS, PARTIAL, INPUT_PRECISION, BLOCK_M,
-                BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["M"])

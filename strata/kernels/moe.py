@@ -18,9 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import exact_sum, plain
-from strata.kernels.linear import BLOCK_M as LINEAR_BLOCK_M, CONFIGS as LINEAR_CONFIGS, linear_tile, split_k
 from strata.kernels.pdl import pdl, wait_for_prior
-from strata.kernels.rmsnorm import MAX_D, normalize
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
 Linear = Callable[..., torch.Tensor]  # F.linear or a row-invariant linear
@@ -140,14 +138,13 @@ PROMPT_TILES = ExpertTiles(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 @triton.jit
 def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s_xr, SPLIT: tl.constexpr,
                TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr = False):
+               BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr):
     """Row i_r: softmax over the E logits, the top K_TOP (weights renormalised when NORM_TOPK). SHARED 1 or 2: one
     more pair, the shared expert as expert E, weighted 1 (SHARED 1) or sigmoid(x . gate) (2, the logit rounded
-    to the model's dtype as a projection's output is). CG: the logits were written by other programs of the same
-    launch (read from L2)."""
+    to the model's dtype as a projection's output is)."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
-    b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY, CG).to(tl.float32)
+    b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY).to(tl.float32)
     b_p = tl.where(m_e, b_p, float("-inf"))
     b_p = tl.exp(b_p - tl.max(b_p, axis=0))
     b_p = b_p / exact_sum(b_p)  # (its sums are exact: the same bits on any warps)
@@ -208,7 +205,7 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
 def route_warps(num_experts: int) -> int:
     """Warps of a routing program: its top-k is k rounds of a reduction over the experts, latency-bound, and one
     warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). Its sums are exact
-    (`exact_sum`), so a row's weights are the same bits on these warps and on `_moe_kernel`'s."""
+    (`exact_sum`): a row's weights do not depend on the warps."""
     return 1 if num_experts <= 256 else 2
 
 
@@ -255,15 +252,6 @@ def route_triton(logits: torch.Tensor | SplitSum, top_k: int, norm_topk: bool, s
 
 
 @triton.jit
-def _load_cg(p, mask, other, CG: tl.constexpr):
-    """tl.load, from L2 (".cg") when CG: for values another program of the same launch wrote."""
-    if CG:
-        return tl.load(p, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        return tl.load(p, mask=mask, other=other)
-
-
-@triton.jit
 def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
     """Where expert i_e's weights start: in the routed experts' [E, ...] tensor, or the shared expert's own when
     SHARED and i_e is E (the shared pair's id)."""
@@ -275,18 +263,13 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _tile_pairs(p_pair, i_b, BLOCK_M: tl.constexpr):
-    """Tile i_b's pairs [BLOCK_M] as the layout stored them (P in padding slots)."""
-    return tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
-
-
-@triton.jit
-def _gate_up_tile(b_pair, i_n, i_e, p_x, p_w, p_sw, p_h, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, TMA: tl.constexpr):
-    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for a tile's pairs b_pair [BLOCK_M] (expert
-    i_e; P in padding slots), columns tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows,
-    read by the copy engine (a tile's columns past I read the next rows, whose products are not stored)."""
+    """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
+    tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows, read by the copy engine (a
+    tile's columns past I read the next rows, whose products are not stored)."""
+    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -333,30 +316,24 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
         n_tiles = tl.cdiv(I, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            _gate_up_tile(_tile_pairs(p_pair, i_b, BLOCK_M), t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h,
-                          P, E, H, I, s_xr, s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
+                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
-            _gate_up_tile(_tile_pairs(p_pair, i_b, BLOCK_M), tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, P, E, H, I,
-                          s_xr, s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
-def _tile_routes(p_route, b_pair, P):
-    """The route weights of a tile's pairs (0 in padding slots)."""
-    return tl.load(p_route + b_pair, mask=b_pair < P, other=0.0)
-
-
-@triton.jit
-def _down_tile(b_pair, b_route, i_n, i_e, p_h, p_w, p_sw, p_y, P, E, H, I, s_we, s_wn, s_wk,
+def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               TMA: tl.constexpr, CG: tl.constexpr = False):
-    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for a tile's pairs b_pair [BLOCK_M] (expert i_e; P
-    in padding slots) and their route weights b_route [BLOCK_M], columns tile i_n. TMA: p_w is a tensor descriptor
-    of the weights as [E * H, I] rows (as in `_gate_up_tile`). CG: h is read from L2, not the multiprocessor's
-    own cache: written by other programs of the same launch."""
+               TMA: tl.constexpr, H_CG: tl.constexpr = False):
+    """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
+    i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). H_CG: h is
+    read from L2, not the multiprocessor's own cache (written by other programs of the same launch)."""
+    b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
@@ -376,10 +353,14 @@ def _down_tile(b_pair, b_route, i_n, i_e, p_h, p_w, p_sw, p_y, P, E, H, I, s_we,
             m_k = o_k < I
             p_hk = p_h + b_pair[:, None].to(tl.int64) * I + o_k[None, :]
             m_hk = m_m[:, None] & m_k[None, :]
-            b_h = _load_cg(p_hk, m_hk, 0.0, CG)  # [BM, BK]
+            if H_CG:
+                b_h = tl.load(p_hk, mask=m_hk, other=0.0, cache_modifier=".cg")  # [BM, BK]
+            else:
+                b_h = tl.load(p_hk, mask=m_hk, other=0.0)
             b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
-    b_y = (b_y * b_route.to(tl.float32)[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
+    b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
+    b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
     tl.store(p_y + b_pair[:, None].to(tl.int64) * H + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
 
 
@@ -393,16 +374,14 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         n_tiles = tl.cdiv(H, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
-            _down_tile(b_pair, _tile_routes(p_route, b_pair, P), t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw,
-                       p_y, P, E, H, I, s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
+                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
-            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
-            _down_tile(b_pair, _tile_routes(p_route, b_pair, P), tl.program_id(1), i_e, p_h, p_w, p_sw, p_y, P, E, H,
-                       I, s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
 
 
 @triton.jit
@@ -410,50 +389,21 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
                     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr):
-    """Both products in one launch (ExpertTiles.handoff): `_experts_program` (program_id(0))."""
+    """Both products in one launch (ExpertTiles.handoff). Programs below GATE_UP_PROGRAMS compute one gate_up tile
+    each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the layout);
+    the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of their pair
+    tile is counted. The hardware starts a grid's programs in id order, so every gate_up program has started
+    before a down program waits: the wait always ends. A pair tile's down products start as soon as its own h
+    is written, not after the last gate_up tile of the window, and the launch between them is gone. Same tile
+    functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there)."""
     wait_for_prior(PDL)
-    _experts_program(tl.program_id(0), p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P,
-                     E, H, I, s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS, SHARED, K_TOP, BLOCK_M,
-                     BLOCK_N, BLOCK_K, DOWN_N, DOWN_K, False)
-
-
-@triton.jit
-def _read_ticket(p_ticket, E, P, BLOCK_M: tl.constexpr):
-    """Wait for a tile's ticket (`_write_tickets`) -> (expert, pairs [BLOCK_M], route weights [BLOCK_M])."""
-    ticket = tl.atomic_add(p_ticket, 0, sem="acquire", scope="gpu")
-    while ticket == 0:
-        ticket = tl.atomic_add(p_ticket, 0, sem="acquire", scope="gpu")
-    o_m = tl.arange(0, BLOCK_M)
-    i_e = (ticket >> 48).to(tl.int32) - 1
-    b_pair = tl.where(o_m == 0, ((ticket >> 32) & 0xFFFF).to(tl.int32), P)
-    b_route = tl.where(o_m == 0, (ticket & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    return i_e, b_pair, b_route
-
-
-@triton.jit
-def _experts_program(i_p, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I,
-                     s_xr, s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
-                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, TICKETS: tl.constexpr):
-    """Program i_p of the experts' products in one launch. Programs below GATE_UP_PROGRAMS compute one gate_up
-    tile each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the
-    layout); the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of
-    their pair tile is counted. The hardware starts a grid's programs in id order, so every gate_up program has
-    started before a down program waits: the wait always ends. A pair tile's down products start as soon as its
-    own h is written, not after the last gate_up tile of the window, and the launch between them is gone. Same
-    tile functions, same bits as the two launches (the interpreter runs the programs in id order: no wait there).
-    TICKETS: each tile's expert, pair and route weight come in one word, p_expert[tile] (`_write_tickets`: a
-    one-row window routed by another program of the same launch), which the program waits for."""
+    i_p = tl.program_id(0)
     n_gate_up = tl.cdiv(I, BLOCK_N)
     if i_p < GATE_UP_PROGRAMS:
         i_b = i_p // n_gate_up
-        if TICKETS:
-            i_e, b_pair, _ = _read_ticket(p_expert + i_b, E, P, BLOCK_M)
-        else:
-            i_e = tl.load(p_expert + i_b)
-            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
+        i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
-            _gate_up_tile(b_pair, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, P, E, H, I, s_xr, s_gue, s_gun,
+            _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
                           s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False)
             tl.debug_barrier()  # every thread's h stores issued before the tile is counted
             tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
@@ -461,86 +411,13 @@ def _experts_program(i_p, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pa
         n_down = tl.cdiv(H, DOWN_N)
         i_b = (i_p - GATE_UP_PROGRAMS) // n_down
         i_n = (i_p - GATE_UP_PROGRAMS) % n_down
-        if TICKETS:
-            i_e, b_pair, b_route = _read_ticket(p_expert + i_b, E, P, BLOCK_M)
-        else:
-            i_e = tl.load(p_expert + i_b)
-            b_pair = _tile_pairs(p_pair, i_b, BLOCK_M)
-            b_route = _tile_routes(p_route, b_pair, P)
+        i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
             done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
-            _down_tile(b_pair, b_route, i_n, i_e, p_h, p_wd, p_sd, p_y, P, E, H, I, s_de, s_dn, s_dk, SHARED, BLOCK_M,
-                       DOWN_N, DOWN_K, False, True)
-
-
-@triton.jit
-def _write_tickets(p_ids, p_weights, p_tickets, p_done, N_PAIRS, E_ALL, MAX_BLOCKS, BLOCK_T: tl.constexpr):
-    """A one-row window's tiles, one pair each (the row's experts are distinct), in ascending expert order as
-    `_lay_out_tiles` would lay them out, announced as tickets: p_tickets[tile] = (expert + 1) << 48 | pair << 32 |
-    the pair's route weight's bits; tiles past the row's pairs get expert E_ALL (no work). The handoff counters
-    p_done are zeroed first; the tickets are stored with release semantics."""
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < N_PAIRS
-    b_e = tl.load(p_ids + o_t, mask=m_t, other=E_ALL)
-    b_key = tl.sort((b_e.to(tl.int64) << 32) | o_t, 0)  # by expert (unique), padding lanes last
-    b_pair = (b_key & 0xFFFFFFFF).to(tl.int32)
-    m_pair = b_pair < N_PAIRS
-    b_w = tl.load(p_weights + b_pair, mask=m_pair, other=0.0)
-    b_ticket = (((b_key >> 32) + 1) << 48) | (tl.where(m_pair, b_pair, 0).to(tl.int64) << 32) \
-        | (b_w.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-    m_b = o_t < MAX_BLOCKS
-    tl.store(p_done + o_t, tl.zeros([BLOCK_T], dtype=tl.int32), mask=m_b)
-    tl.debug_barrier()  # the counters zeroed before any tile is announced
-    tl.atomic_xchg(p_tickets + o_t, b_ticket, mask=m_b, sem="release", scope="gpu")
-
-
-@triton.jit
-def _moe_kernel(p_in, p_res, p_res_out, p_norm, p_x, p_router, p_logits, p_count, p_weights, p_ids, p_gate, p_wgu,
-                p_sgu, p_h, p_wd, p_sd, p_y, p_tickets, p_done, E, H, I, K_CHUNK, s_chunk_in, eps, s_rn, s_rk, s_gue,
-                s_gun, s_guk, s_de, s_dn, s_dk, MAX_BLOCKS, ROUTER_PROGRAMS, GATE_UP_PROGRAMS,
-                SPLIT_IN: tl.constexpr, BLOCK_D: tl.constexpr, TY: tl.constexpr, K_TOP: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
-                SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
-                ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr,
-                DOWN_K: tl.constexpr, PDL: tl.constexpr):
-    """A one-row window's whole MoE block in one launch (`moe_block_one_launch`): residual norm, router, routing
-    and both products.
-
-    Programs below ROUTER_PROGRAMS each add the block's input (the mixer's output at p_in, SPLIT_IN chunks or
-    plain) to the residual and normalise it, as `add_rms_norm_triton` does (its sum is exact: the same bits here),
-    and store both (p_res_out, p_x: every such program the same bits); then compute the router's split-K tiles
-    (`linear_tile`, as `linear_split` would) and count themselves in p_count; the last one to arrive routes the row
-    (`_route_row`) and writes each tile's ticket (`_write_tickets`). The programs after them are
-    `_experts_program`s, each waiting for its tile's ticket, which carries all it needs (no further loads before
-    the weights'). The router programs have the lowest ids, so they have all started before an experts program
-    waits: the wait ends. p_count and p_tickets: zeros. Same tile, norm and routing functions as the separate
-    launches, so the same bits (the norm's and the routing's sums are exact: their warps do not matter)."""
-    wait_for_prior(PDL)
-    i_p = tl.program_id(0)
-    n_pairs = K_TOP + (SHARED > 0)
-    if i_p < ROUTER_PROGRAMS:
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < H
-        b_in = load_rows(p_in + o_d, m_d, s_chunk_in, SPLIT_IN, TY)
-        b_x = (tl.load(p_res + o_d, mask=m_d, other=0.0).to(tl.float32) + b_in.to(tl.float32)).to(TY)
-        tl.store(p_res_out + o_d, b_x, mask=m_d)
-        tl.store(p_x + o_d, normalize(b_x, p_norm, o_d, m_d, H, eps).to(TY), mask=m_d)
-        tl.debug_barrier()  # the normalised row stored before this program's router tile reads it
-        n_tiles = tl.cdiv(E, ROUTER_N)
-        linear_tile(i_p % n_tiles, 0, i_p // n_tiles, p_x, p_router, p_x, p_logits, 1, E, H, K_CHUNK, H, 1, s_rn,
-                    s_rk, E, False, SPLIT > 0, INPUT_PRECISION, BLOCK_M, ROUTER_N, ROUTER_K)
-        tl.debug_barrier()  # every thread's partial sums stored before the program is counted
-        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == ROUTER_PROGRAMS - 1:
-            _route_row(0, p_logits, p_weights, p_ids, p_x, p_gate, E, H, E, E, H, SPLIT, TY, K_TOP, NORM_TOPK,
-                       SHARED, BLOCK_E, BLOCK_TOP, BLOCK_H, True)
-            tl.debug_barrier()  # the row's ids and weights stored before they are read back
-            _write_tickets(p_ids, p_weights, p_tickets, p_done, n_pairs, E + (SHARED > 0), MAX_BLOCKS, BLOCK_T)
-    else:
-        _experts_program(i_p - ROUTER_PROGRAMS, p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_weights, p_y, p_tickets,
-                         p_tickets, p_done, n_pairs, E, H, I, H, s_gue, s_gun, s_guk, s_de, s_dn, s_dk,
-                         GATE_UP_PROGRAMS, SHARED > 0, n_pairs, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N, DOWN_K, True)
+            _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
+                       BLOCK_M, DOWN_N, DOWN_K, False, True)
 
 
 @triton.jit
@@ -856,70 +733,6 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     return pairs if defer else combine_triton(pairs, tiles.combine_n)
 
 
-ONE_LAUNCH_FLAGS = 32  # int64 words a one-launch MoE block takes (`moe_block_one_launch`): a count and its tickets
-
-
-def moe_block_one_launch(h: torch.Tensor | SplitSum, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None, shared_gate: torch.Tensor | None,
-                         flags: torch.Tensor, tiles: ExpertTiles = DECODE_TILES) -> tuple[PairSum, torch.Tensor]:
-    """A one-row decode window's MoE block with its residual norm, in one launch (`_moe_kernel`): bitwise what
-    `add_rms_norm_triton(h, residual, norm_weight, eps, decode=True)` followed by `moe_triton(..., linear=linear_split,
-    defer=True, shared_pair=True)` give. h: the mixer's output [1, H] (a tensor or a `SplitSum`); residual [1, H];
-    norm_weight [H] float32; shared: a shared expert of the routed experts' shape (`shared_fits`), gated by
-    shared_gate [1, H] when given; flags: ONE_LAUNCH_FLAGS int64 zeros for this call alone (zeroed before the
-    window's first kernel). Returns (the pairs for the next norm to add, the new residual [1, H])."""
-    R, H = residual.shape
-    E, I = gate_up.shape[0], gate_up.shape[1] // 2
-    assert R == 1 and tuple(h.shape) == (1, H) and h.dtype == residual.dtype, "one row: h and residual [1, H]"
-    assert H <= MAX_D and norm_weight.shape == (H,) and norm_weight.dtype == torch.float32, "norm weight: [H] float32"
-    assert router.shape == (E, H) and router.dtype == residual.dtype, f"router: [{E}, {H}] in {residual.dtype}"
-    assert flags.dtype == torch.int64 and flags.shape == (ONE_LAUNCH_FLAGS,) and flags.is_contiguous(), \
-        f"flags: [{ONE_LAUNCH_FLAGS}] int64 zeros"
-    assert shared is None or shared_fits(shared, gate_up, down), \
-        "one launch takes a shared expert of the routed experts' shapes and strides only"
-    if isinstance(h, torch.Tensor) and h.stride(-1) != 1:
-        h = h.contiguous()
-    p_in, s_chunk_in, split_in = source(h)
-    residual = residual.contiguous()
-    dev, dtype = residual.device, residual.dtype
-    mode = None if shared is None else "plain" if shared_gate is None else "gated"
-    pairs = top_k + (mode is not None)
-    held = E + (mode is not None)
-    max_blocks = _max_tiles(pairs, held, tiles.block_m)
-    assert max_blocks < ONE_LAUNCH_FLAGS and pairs <= tiles.block_m, f"{pairs} pairs a row: too many for one launch"
-    block_n, block_k, _ = LINEAR_CONFIGS[dtype]
-    split = split_k(E, H, block_n, block_k)
-    # the router's sums where linear_split would leave them: float32 chunks, or the finished logits
-    logits = torch.empty(split, R, E, dtype=torch.float32, device=dev) if split > 1 else \
-        torch.empty(R, E, dtype=dtype, device=dev)
-    x = torch.empty(R, H, dtype=dtype, device=dev)  # the normalised row
-    res_out = torch.empty(R, H, dtype=dtype, device=dev)
-    weights = torch.empty(R, pairs, dtype=torch.float32, device=dev)  # [R, pairs]
-    ids = torch.empty(R, pairs, dtype=torch.int32, device=dev)  # [R, pairs]
-    done = torch.empty(max_blocks, dtype=torch.int32, device=dev)  # the handoff counters (zeroed in the launch)
-    s_gate_up, s_down = shared if shared is not None else (gate_up, down)
-    out_h = torch.empty(pairs, I, dtype=dtype, device=dev)  # [P, I]
-    y = torch.empty(pairs, H, dtype=torch.float32, device=dev)  # [P, H]
-    gate = shared_gate.reshape(-1).contiguous() if mode == "gated" else x
-    router_programs = triton.cdiv(E, block_n) * split
-    down_n, down_k = tiles.down_n or tiles.block_n, tiles.down_k or tiles.block_k
-    gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
-    assert LINEAR_BLOCK_M == tiles.block_m, "the router's row tile is the experts' pair tile"
-    _moe_kernel[(router_programs + gate_up_programs + max_blocks * triton.cdiv(H, down_n),)](
-        p_in, residual, res_out, norm_weight.contiguous(), x, router, logits, flags, weights, ids, gate, gate_up,
-        s_gate_up, out_h, down, s_down, y, flags[1:], done, E, H, I, H // split, s_chunk_in, eps, *router.stride(),
-        *gate_up.stride(), *down.stride(), max_blocks, router_programs, gate_up_programs,
-        SPLIT_IN=split_in, BLOCK_D=triton.next_power_of_2(H), TY=tl_dtype(dtype), K_TOP=top_k, NORM_TOPK=norm_topk,
-        SHARED={None: 0, "plain": 1, "gated": 2}[mode], SPLIT=split if split > 1 else 0,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(pairs),
-        BLOCK_H=triton.next_power_of_2(H) if mode == "gated" else 1, ROUTER_N=block_n, ROUTER_K=block_k,
-        INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_T=ONE_LAUNCH_FLAGS,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOWN_N=down_n, DOWN_K=down_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(residual))
-    return PairSum(y, ids, held, dtype), res_out
-
-
 def moe_triton(
     x: torch.Tensor,
     router: torch.Tensor,
@@ -939,9 +752,9 @@ def moe_triton(
     `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
     roundings than the separate products (the same for a row whatever shares its window)."""
+    logits = linear(x, router)
     as_pair = shared is not None and shared_pair and shared_fits(shared, gate_up, down)
     mode = ("gated" if shared_gate is not None else "plain") if as_pair else None
-    logits = linear(x, router)
     # a window of a row or two: the routing program lays the tiles out too (one launch fewer)
     lay = (tiles.block_m, True) if tiles.handoff and 0 < x.shape[0] <= ROUTE_LAYOUT_ROWS else None
     routed = route_triton(logits, top_k, norm_topk, mode, x, shared_gate, layout=lay)

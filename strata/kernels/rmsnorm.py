@@ -17,14 +17,14 @@ from strata.kernels.invariant import exact_sum, plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
 
-def rmsnormalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D]; weight: [D] float32 -> x / rms(x) * weight, in float32."""
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rmsnormalize(x, weight, eps).to(x.dtype)
+    return rms_normalize(x, weight, eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, rows=plain) -> torch.Tensor:
@@ -49,7 +49,7 @@ MAX_D = 16384
 
 
 @triton.jit
-def normalize(b_x, p_w, o_d, m_d, D, eps):
+def _normalize(b_x, p_w, o_d, m_d, D, eps):
     """x / rms(x) * weight in float32, over one row vector held whole in the block."""
     b_x = b_x.to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
@@ -74,7 +74,7 @@ def _rms_norm_kernel(
         i_h = tl.program_id(1) * HEADS + j
         m_d = (o_d < D) & (i_h < H)
         b_x = tl.load(p_x + i_r * stride_xr + i_h * stride_xh + o_d, mask=m_d, other=0.0)
-        b_y = normalize(b_x, p_w, o_d, o_d < D, D, eps)
+        b_y = _normalize(b_x, p_w, o_d, o_d < D, D, eps)
         if GATED:
             b_g = tl.load(p_gate + i_r * stride_gr + i_h * stride_gh + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
@@ -105,7 +105,7 @@ def _add_rms_norm_kernel(
     b_res = tl.load(p_res + r * s_res + o_d, mask=m_d, other=0.0)
     b_x = (b_res.to(tl.float32) + b_h.to(tl.float32)).to(TY)  # rounds as torch's residual + x
     tl.store(p_res_out + r * D + o_d, b_x, mask=m_d)
-    tl.store(p_out + r * D + o_d, normalize(b_x, p_w, o_d, m_d, D, eps).to(TY), mask=m_d)
+    tl.store(p_out + r * D + o_d, _normalize(b_x, p_w, o_d, m_d, D, eps).to(TY), mask=m_d)
 
 
 def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -21,7 +21,7 @@ from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
-from strata.kernels.moe import ONE_LAUNCH_FLAGS, moe_block_one_launch, moe_triton, shared_fits
+from strata.kernels.moe import moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
@@ -32,10 +32,6 @@ from strata.state.session import StatePool
 
 class TritonDecode:
     """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
-
-    # A one-row window's MoE blocks as one launch each (residual norm, router, routing and experts:
-    # `moe_block_one_launch`), their flags zeroed by one fill at the window's start.
-    ONE_LAUNCH_MOE = True
 
     def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor,
                  pools: dict[int, ExpertPool] | None = None):
@@ -49,7 +45,6 @@ class TritonDecode:
         """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
         logits [R, V] on the last stage, else this stage's hidden states."""
         x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
-        self._flags = self._moe_flags(x)
         pending = None  # the last block's output, added to x by the next norm (one kernel for both)
         for i, w in self.weights.layers.items():
             h, x = self._add_norm(pending, x, w["attn_norm"])
@@ -57,36 +52,12 @@ class TritonDecode:
                 h = self._attention(i, w, h, pool, positions, seq_ids)
             else:
                 h = self._gdn(i, w, h, pool, seq_ids)
-            if self._one_launch(i):
-                pending, x = self._moe_one_launch(i, w, h, x)
-            else:
-                h, x = self._add_norm(h, x, w["mlp_norm"])
-                pending = self._mlp(i, w, h)
+            h, x = self._add_norm(h, x, w["mlp_norm"])
+            pending = self._mlp(i, w, h)
         if self.weights.final_norm is None:
             return x if pending is None else x + finish(pending)
         h, _ = self._add_norm(pending, x, self.weights.final_norm)
         return linear_triton(h, self.weights.lm_head).float()  # [R, V]
-
-    def _moe_flags(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[layers, ONE_LAUNCH_FLAGS] int64 zeros for the one-launch MoE blocks of a one-row window, else None."""
-        if not self.ONE_LAUNCH_MOE or x.shape[0] != 1:
-            return None
-        return torch.zeros(len(self.spec.layers), ONE_LAUNCH_FLAGS, dtype=torch.int64, device=x.device)
-
-    def _one_launch(self, i: int) -> bool:
-        """Whether layer i's MoE block runs as one launch in this window."""
-        if self._flags is None or self.spec.layers[i].mlp == "dense" or i in self.pools:
-            return False
-        w = self.weights.layers[i]
-        return not self.spec.moe.shared_dim or shared_fits((w["shared_gate_up"], w["shared_down"]),
-                                                          w["experts_gate_up"], w["experts_down"])
-
-    def _moe_one_launch(self, i: int, w: Tensors, h, x):
-        m = self.spec.moe
-        shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
-        return moe_block_one_launch(h, x, w["mlp_norm"], self.spec.rms_eps, w["router"], w["experts_gate_up"],
-                                    w["experts_down"], m.top_k, m.norm_topk, shared, w.get("shared_gate"),
-                                    self._flags[i])
 
     def _add_norm(self, h, x, weight):
         """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give. h may be
