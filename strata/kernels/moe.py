@@ -17,7 +17,7 @@ import triton.language as tl
 
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
-from strata.kernels.invariant import exact_sum, plain
+from strata.kernels.invariant import plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
@@ -147,7 +147,7 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
     b_p = load_rows(p_logits + i_r * s_r + o_e, m_e, s_chunk, SPLIT, TY).to(tl.float32)
     b_p = tl.where(m_e, b_p, float("-inf"))
     b_p = tl.exp(b_p - tl.max(b_p, axis=0))
-    b_p = b_p / exact_sum(b_p)  # (its sums are exact: the same bits on any warps)
+    b_p = b_p / tl.sum(b_p, axis=0)
     # Each lane's key: its probability's bits above (BLOCK_E - 1 - lane), so one max over the keys gives the
     # largest probability and, among equal ones, the lowest expert id (probabilities are >= 0: their bits order as
     # the floats do). Padding lanes and lanes already picked hold key -1 and are never picked.
@@ -163,7 +163,7 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
         b_i = tl.where(o_j == j, i_e, b_i)
         b_key = tl.where(o_e == i_e, -1, b_key)
     if NORM_TOPK:
-        b_w = b_w / exact_sum(b_w)
+        b_w = b_w / tl.sum(b_w, axis=0)
     n_pairs = K_TOP + (SHARED > 0)
     if SHARED > 0:
         b_shared = 1.0
@@ -172,7 +172,7 @@ def _route_row(i_r, p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk,
             m_h = o_h < H
             b_x = tl.load(p_x + (tl.full([], 0, tl.int64) + i_r) * s_xr + o_h, mask=m_h, other=0.0).to(tl.float32)
             b_g = tl.load(p_gate + o_h, mask=m_h, other=0.0).to(tl.float32)
-            b_shared = tl.sigmoid(exact_sum(b_x * b_g).to(TY).to(tl.float32))
+            b_shared = tl.sigmoid(tl.sum(b_x * b_g, axis=0).to(TY).to(tl.float32))
         b_w = tl.where(o_j == K_TOP, b_shared, b_w)
         b_i = tl.where(o_j == K_TOP, E, b_i)
     m_j = o_j < n_pairs
@@ -204,8 +204,8 @@ def _route_kernel(p_logits, p_weights, p_ids, p_x, p_gate, E, H, s_r, s_chunk, s
 
 def route_warps(num_experts: int) -> int:
     """Warps of a routing program: its top-k is k rounds of a reduction over the experts, latency-bound, and one
-    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). Its sums are exact
-    (`exact_sum`): a row's weights do not depend on the warps."""
+    warp reduces by register shuffles alone (bench on an H200: 4.1 us a row with 4 warps). The softmax's sum order
+    depends on it, so every routing kernel uses this rule."""
     return 1 if num_experts <= 256 else 2
 
 

@@ -18,7 +18,6 @@ import triton.language as tl
 from strata.kernels.deferred import load_rows, source
 from strata.kernels.pdl import pdl, wait_for_prior
 
-from strata.kernels.invariant import exact_sum
 from strata.kernels.rmsnorm import norm_warps, rms_norm_triton
 from strata.kernels.rope import apply_rope_triton
 
@@ -66,7 +65,7 @@ def _qk_prep_kernel(
     if QK_NORM:  # rms_norm_triton's reduction over the whole head vector
         o_d = tl.arange(0, BLOCK_D)
         b_all = load_rows(p_x + o_d, o_d < D, s_chunk, SPLIT, TY).to(tl.float32)
-        b_rstd = tl.rsqrt(exact_sum(b_all * b_all) / D + eps)
+        b_rstd = tl.rsqrt(tl.sum(b_all * b_all, axis=0) / D + eps)
     o_j = tl.arange(0, BLOCK_HALF)
     m_j = o_j < HALF
     b_lo = load_rows(p_x + o_j, m_j, s_chunk, SPLIT, TY)
@@ -122,7 +121,7 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
             SPLIT=split, QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d),
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,
-            num_warps=norm_warps(triton.next_power_of_2(d)),
+            num_warps=norm_warps(triton.next_power_of_2(d)),  # the norm kernel's: its sum order
             **pdl(p_q),
         )
     return q_out

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs
-from strata.kernels.invariant import exact_sum, plain
+from strata.kernels.invariant import plain
 from strata.kernels.pdl import pdl, wait_for_prior
 
 
@@ -53,7 +53,7 @@ def _normalize(b_x, p_w, o_d, m_d, D, eps):
     """x / rms(x) * weight in float32, over one row vector held whole in the block."""
     b_x = b_x.to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
-    b_rstd = tl.rsqrt(exact_sum(b_x * b_x) / D + eps)  # exact: the same bits on any warps, in any kernel
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
     return b_x * b_rstd * b_w
 
 
@@ -117,7 +117,8 @@ def _row_vectors(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def norm_warps(block: int) -> int:
-    """Warps of a norm over a block-wide row vector (its sum is exact: the bits do not depend on them)."""
+    """Warps of a norm over a block-wide row vector. A row's sum order depends on it: every kernel that must match
+    the norm kernel's bits (`qk_prep`'s q/k norms) takes its warps from here."""
     return min(16, max(1, block // 512))
 
 
@@ -126,7 +127,7 @@ def add_norm_warps(block: int, decode: bool = False) -> int:
     normalises, so it takes more warps than the plain norm to keep those loads in flight. `decode`: a decode
     window's, whose few programs (one per row) sit on the step's critical path: 16 (eighth session, H200, A/B in
     one process against 8 at a 2,048-wide row: 30B shape +1.0 % tok/s at 1 row and +0.6 % at 8, Qwen3-Next +1.6 %
-    and +1.0 %; 4 warps: -3.5 % at 1 row). The sum is exact (`exact_sum`): the bits do not depend on the warps."""
+    and +1.0 %; 4 warps: -3.5 % at 1 row). A row's sum order depends on it: a decode window always passes it."""
     return 16 if decode else min(16, max(4, block // 256))
 
 
@@ -168,8 +169,8 @@ def add_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm` in one pass: x, residual: [R, D] or [R, H, D], same dtype -> (normed, new residual).
     x may be left unfinished by the kernel before (`deferred.SplitSum` or `PairSum`, [R, D]): it is finished here,
-    bitwise as its own kernel would have, at no launch of its own. `decode`: a decode window's (more warps:
-    `add_norm_warps`; the same bits)."""
+    bitwise as its own kernel would have, at no launch of its own. `decode`: a decode window's (`add_norm_warps`;
+    other sum order than a prompt window's, the same at every row count)."""
     shape, d = residual.shape, residual.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == torch.float32, "weight: [D] float32"
     assert tuple(x.shape) == tuple(shape) and x.dtype == residual.dtype, "x and residual: same shape and dtype"
