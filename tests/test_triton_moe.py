@@ -306,3 +306,16 @@ def test_routing_program_lays_out_the_tiles_as_the_layout_kernel(rows, dtype, sh
     full = moe_triton(x, top_k=3, norm_topk=True, **w)  # 1 row: the routing program's layout inside
     ref = moe(x.float(), top_k=3, norm_topk=True, **{k: _float(v) for k, v in w.items()})
     torch.testing.assert_close(full.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_one_row_tiles_differ_from_the_decode_tiles_in_stages_alone(dtype):
+    """A one-row window's expert tiles (`decode_tiles(1)`) differ from the other decode windows' in pipeline stages
+    only, which do not enter the arithmetic: the same bits as DECODE_TILES."""
+    assert replace(moe_module.decode_tiles(1), num_stages=DECODE_TILES.num_stages) == DECODE_TILES
+    assert moe_module.decode_tiles(8) == DECODE_TILES
+    w = make_weights(dtype)
+    x = make_x(1, dtype)
+    a = moe_triton(x, top_k=3, norm_topk=True, tiles=moe_module.decode_tiles(1), **w)
+    b = moe_triton(x, top_k=3, norm_topk=True, **w)
+    assert torch.equal(a, b)

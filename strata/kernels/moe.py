@@ -118,8 +118,17 @@ class ExpertTiles:
 # the down products' 64-column tiles were 0.3-2.8 % faster than 32 at 1, 8 and 64 rows (fourth session). Both
 # products in one launch (handoff), seventh session: 30B experts 125.1 -> 119.2 us at 8 rows, 282.3 -> 275.9 at 64,
 # 26.6 -> 26.8 at 1 (Qwen3-Next 118.1 -> 114.0, 527.4 -> 530.3, 26.3 -> 25.5); decode at 8 rows 1,061 -> 1,098 tok/s.
-DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, combine_n=64, down_n=64,
+# Pipeline stages (ninth session, bench/ab.py on an H200, 30B shape, A/B in one process): 3 instead of 4 +0.9 / +0.7 %
+# tok/s at 1 / 8 rows, 5 +1.4 / -1.0 %. Stages do not change a row's bits, so a one-row window takes 5
+# (`decode_tiles`).
+DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3, combine_n=64, down_n=64,
                             handoff=True)
+ONE_ROW_STAGES = 5
+
+
+def decode_tiles(rows: int) -> ExpertTiles:
+    """A decode window's expert tiles: DECODE_TILES, deeper pipelines for a one-row window (the same bits)."""
+    return replace(DECODE_TILES, num_stages=ONE_ROW_STAGES) if rows == 1 else DECODE_TILES
 # Prompt windows: bench/moe_tiles.py --prompt on an H200 (4,096 rows, eager): of twelve candidates, 128 x 128 x 64
 # tiles on 8 warps with down products 256 columns wide were fastest at both shapes (Qwen3-Next experts 1,459 us, 52 %
 # of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session. A prompt's pair

@@ -21,7 +21,7 @@ from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
 from strata.kernels.linear import linear_split, linear_triton
-from strata.kernels.moe import moe_triton
+from strata.kernels.moe import decode_tiles, moe_triton
 from strata.kernels.qk_prep import qk_prep_triton
 from strata.kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from strata.model.spec import ModelSpec
@@ -100,7 +100,8 @@ class TritonDecode:
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
         # the experts' pairs (and the shared expert) are added up by the next norm
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
-                          w.get("shared_gate"), linear=linear_split, defer=True, shared_pair=True)
+                          w.get("shared_gate"), linear=linear_split, tiles=decode_tiles(x.shape[0]), defer=True,
+                          shared_pair=True)
 
 
 class GraphedDecode:
