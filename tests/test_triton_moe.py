@@ -313,6 +313,7 @@ def test_one_row_tiles_differ_from_the_decode_tiles_in_stages_alone(dtype):
     """A one-row window's expert tiles (`decode_tiles(1)`) differ from the other decode windows' in pipeline stages
     only, which do not enter the arithmetic: the same bits as DECODE_TILES."""
     assert replace(moe_module.decode_tiles(1), num_stages=DECODE_TILES.num_stages) == DECODE_TILES
+    assert moe_module.decode_tiles(1).num_stages == moe_module.ONE_ROW_STAGES
     assert moe_module.decode_tiles(8) == DECODE_TILES
     w = make_weights(dtype)
     x = make_x(1, dtype)

@@ -118,12 +118,12 @@ class ExpertTiles:
 # the down products' 64-column tiles were 0.3-2.8 % faster than 32 at 1, 8 and 64 rows (fourth session). Both
 # products in one launch (handoff), seventh session: 30B experts 125.1 -> 119.2 us at 8 rows, 282.3 -> 275.9 at 64,
 # 26.6 -> 26.8 at 1 (Qwen3-Next 118.1 -> 114.0, 527.4 -> 530.3, 26.3 -> 25.5); decode at 8 rows 1,061 -> 1,098 tok/s.
-# Pipeline stages (ninth session, bench/ab.py on an H200, 30B shape, A/B in one process): 3 instead of 4 +0.9 / +0.7 %
-# tok/s at 1 / 8 rows, 5 +1.4 / -1.0 %. Stages do not change a row's bits, so a one-row window takes 5
-# (`decode_tiles`).
+# Pipeline stages (ninth session, bench/ab.py on an H200, A/B in one process, checks all yes): 3 instead of 4 at 8
+# rows +0.8 % tok/s (30B) and +1.0 % (Qwen3-Next); at 1 row 5 stages gave the 30B shape +1.3 % and Qwen3-Next
+# -1.7 %, so a one-row window keeps 4 (`decode_tiles`). Stages do not change a row's bits.
 DECODE_TILES = ExpertTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3, combine_n=64, down_n=64,
                             handoff=True)
-ONE_ROW_STAGES = 5
+ONE_ROW_STAGES = 4
 
 
 def decode_tiles(rows: int) -> ExpertTiles:
