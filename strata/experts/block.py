@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from strata.experts.pool import ExpertPool
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.linear import linear_triton
-from strata.kernels.moe import (DECODE_TILES, PROMPT_TILES, add_shared_expert, fused_experts_triton, route,
+from strata.kernels.moe import (PROMPT_TILES, add_shared_expert, decode_tiles, fused_experts_triton, route,
                                 route_triton, routed_experts, swiglu)
 from strata.model.spec import MoESpec
 
@@ -50,7 +50,7 @@ def pooled_moe(x: torch.Tensor, w: Tensors, m: MoESpec, pool: ExpertPool, rows=p
     elif kernels == "torch":
         out = routed_experts(x, weights, slots.long(), gate_up, down, rows)
     else:
-        tiles = DECODE_TILES if kernels == "decode" else PROMPT_TILES
+        tiles = decode_tiles(x.shape[0]) if kernels == "decode" else PROMPT_TILES
         out = fused_experts_triton(x, weights, slots, gate_up, down, tiles)
     out = add_shared_expert(out, x, shared, w.get("shared_gate"), run_swiglu, run_linear)
     return out + job.finish(cpu_rows)

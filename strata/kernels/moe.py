@@ -129,6 +129,8 @@ ONE_ROW_STAGES = 4
 def decode_tiles(rows: int) -> ExpertTiles:
     """A decode window's expert tiles: DECODE_TILES, deeper pipelines for a one-row window (the same bits)."""
     return replace(DECODE_TILES, num_stages=ONE_ROW_STAGES) if rows == 1 else DECODE_TILES
+
+
 # Prompt windows: bench/moe_tiles.py --prompt on an H200 (4,096 rows, eager): of twelve candidates, 128 x 128 x 64
 # tiles on 8 warps with down products 256 columns wide were fastest at both shapes (Qwen3-Next experts 1,459 us, 52 %
 # of their floor; the 128-wide down products 1,489 us; 30B 1,060 vs 1,098 us), fifth session. A prompt's pair
@@ -674,7 +676,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     tile layout, then the gate_up and the down products (one launch each, or one for both: `ExpertTiles.handoff`).
     Returns [R, H] in x's dtype. The (row, choice) pairs are grouped by expert on the device, in tiles of
     `tiles.block_m` pairs of one expert; the grid is an upper bound on the tiles, fixed by the shapes.
-    A row's bits depend on `tiles` but not on the other rows: decode windows always use DECODE_TILES.
+    A row's bits depend on `tiles` but not on the other rows: decode windows always use `decode_tiles(rows)`
+    (DECODE_TILES, its pipeline stages aside, which do not change the bits).
     A pair whose id is >= E (an expert not held on this device: the CPU expert pool computes it) is never
     computed and adds nothing; the rows' other pairs keep their bits. `defer`: return the pairs' outputs as a
     `PairSum` for the next kernel to add (no combine launch). `shared`: the shared expert's (gate_up [2I, H],
