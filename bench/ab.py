@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--checks", action="store_true")
+    p.add_argument("--sampled", action="store_true", help="time sampled conversations (bench/decode.py's sampled "
+                   "column: temperature 0.8, top-p 0.9, a seed each) instead of greedy ones")
     p.add_argument("--variant", action="append", default=[], help="NAME=MODULE:ATTR=EXPR[;...] (repeatable)")
     args = p.parse_args()
     variants = [("tree", [])] + [parse_variant(v) for v in args.variant]
@@ -112,7 +114,7 @@ def main() -> None:
         for _ in range(args.reps):  # alternated, so the card's drift spreads over every variant
             for name, assignments in variants:
                 with applied(assignments):
-                    runs[name].append(time_strata(engine, rows, args.tokens, args.prompt_len))
+                    runs[name].append(time_strata(engine, rows, args.tokens, args.prompt_len, sampled=args.sampled))
         base = max(runs["tree"])
         for name, tps in runs.items():
             print(f"rows {rows:>3}  {name:<24} best {max(tps):9.1f} tok/s  {max(tps) / base - 1:+6.1%}  "

@@ -122,3 +122,30 @@ def test_nan_probabilities_pick_rank_0_not_an_index_out_of_range():
     assert torch.equal(pick_reference(probs, *args, torch.tensor([0.5, 0.5])), torch.zeros(2, dtype=torch.int64))
     assert torch.equal(pick_triton(probs, *args, torch.tensor([1, 2]), torch.tensor([3, 4])),
                        torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1000.0], ids=["probabilities", "weights x 1000"])
+def test_picks_deep_in_a_long_row_land_on_the_float64_rank(scale):
+    """A flat row four blocks long, everything kept: picks land in every block (the kernel scans only the block
+    where the running sums pass the target again); a row's weights may be any positive multiple of its
+    probabilities, as `sample` gives them (the softmax unnormalised)."""
+    vocab = 3 * BLOCK + 17
+    w = (1.0 - torch.arange(vocab, dtype=torch.float64) / (2 * vocab)) * scale  # descending, no ties
+    cum = w.cumsum(0) / w.sum()
+    seed = 9
+    positions, want, blocks = [], [], set()
+    for position in range(400):
+        u = float(philox_uniform(torch.tensor([seed]), torch.tensor([position]))[0])
+        j = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype), right=True)[0])
+        lo = float(cum[j - 1]) if j else 0.0
+        if min(u - lo, float(cum[j]) - u) > 1e-3 / vocab:  # well inside the token's share
+            positions.append(position)
+            want.append(j)
+            blocks.add(j // BLOCK)
+    assert blocks == {0, 1, 2, 3}
+    n = len(positions)
+    probs = w.float()[None].expand(n, vocab).contiguous()
+    top_k, top_p, min_p = torch.full((n,), vocab), torch.ones(n), torch.zeros(n)
+    seeds, pos = torch.full((n,), seed), torch.tensor(positions)
+    assert torch.equal(pick_triton(probs, top_k, top_p, min_p, seeds, pos), torch.tensor(want))
+    assert torch.equal(pick_reference(probs, top_k, top_p, min_p, philox_uniform(seeds, pos)), torch.tensor(want))

@@ -8,12 +8,15 @@ torch.cumsum over one long row runs on the GPU as a scan whose float additions h
 the same 151,936 probabilities differed by up to 1e-7 relative on the H200, and a uniform number that fell that
 close to a boundary between two tokens picked one or the other from one run to the next (seen with seeded
 requests). Here one program sums one row in a fixed order: its total lane by lane, then its running sums block
-after block (each block scanned on its own, then the carry added) twice — to find the kept prefix, then the pick
-— so the same probabilities always give the same pick, whatever other rows share the call.
+after block (each block scanned on its own, then the carry added) until the kept prefix ends, and once more the
+one block where they pass the row's target — so the same probabilities always give the same pick, whatever
+other rows share the call. Every rule is a ratio of the row's values, so `sample` gives it the softmax's
+numerators exp((x - x_max) / T) and no softmax runs at all.
 
-On the H200 (`bench/kernels_check.py`): a pick over 151,936 probabilities takes 59 us at top-p 0.9 and 117 us
-when every rank is kept; a whole `sample` call of one row 369 us (the sort is most of it), where drawing the
-uniform number with torch ops and copying seven settings tensors took about 4 ms, mostly host time.
+On the H200 (`bench/kernels_check.py`, tenth session): a pick over 151,936 probabilities takes 48 us at top-p 0.9
+and 70 us when every rank is kept (59 and 117 when the kept blocks were scanned twice); a `sample` call of one
+row spends 102 us of GPU time on random logits (the sort 42 of it) and 76 on logits eight times as peaked,
+against 177 and 129 with the softmax and the two scans.
 """
 
 from __future__ import annotations
@@ -80,18 +83,21 @@ def _running_sum(row, o, n, carry):
 
 @triton.jit
 def _pick_kernel(p_probs, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, s_r, s_k, s_p, s_mp, s_seed, s_pos,
-                 BLOCK: tl.constexpr):
-    """One row: probs sorted in descending order. Kept: rank < top_k, mass before the token < top_p of what
-    top_k keeps, and p >= min_p * the largest p (each keeps a prefix). Picked: the first kept rank whose running
-    sum exceeds u = philox_uniform(seed, position) times the kept mass (the last kept rank if rounding leaves
-    none). The kept prefix ends where the mass before a block reaches the top-p limit. Counts and maxima gather
-    lane by lane across the blocks and are reduced once at the end (integers and maxima: in any order alike)."""
+                 BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr):
+    """One row: probs sorted in descending order (or any positive multiple of them: every rule below is a ratio).
+    Kept: rank < top_k, mass before the token < top_p of what top_k keeps, and p >= min_p * the largest p (each
+    keeps a prefix). Picked: the first kept rank whose running sum exceeds u = philox_uniform(seed, position) times
+    the kept mass (the last kept rank if rounding leaves none). The kept prefix ends where the mass before a block
+    reaches the top-p limit; the running sums are made once, block after block, and only the block where they
+    pass the target is scanned again (from the same carry: the same sums). Counts and maxima gather lane by lane
+    across the blocks and are reduced once at the end (integers and maxima: in any order alike)."""
     r = tl.program_id(0)
     row = p_probs + r.to(tl.int64) * s_r
     n = tl.minimum(tl.load(p_top_k + r * s_k), V)
     top_p = tl.load(p_top_p + r * s_p)
     floor = tl.load(p_min_p + r * s_mp) * tl.load(row)
     o_b = tl.arange(0, BLOCK)
+    o_j = tl.arange(0, MAX_BLOCKS)
     lanes = tl.zeros([BLOCK], dtype=tl.float32)  # what top_k keeps, lane by lane
     for b0 in range(0, n, BLOCK):
         lanes += tl.load(row + b0 + o_b, mask=b0 + o_b < n, other=0.0)
@@ -99,34 +105,37 @@ def _pick_kernel(p_probs, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, s
     carry = 0.0
     count = tl.zeros([BLOCK], dtype=tl.int32)  # kept ranks (a prefix), lane by lane
     kept = tl.zeros([BLOCK], dtype=tl.float32)  # the largest running sum of a kept rank: the kept mass
+    ends = tl.full([MAX_BLOCKS], float("inf"), tl.float32)  # the running sum after each block scanned
     b0 = 0
     while (b0 < n) & (carry < limit):  # past that point no rank is kept
         b, c, carry = _running_sum(row, b0 + o_b, n, carry)
         ok = (b0 + o_b < n) & (c - b < limit) & (b >= floor)
         count += ok.to(tl.int32)
         kept = tl.maximum(kept, tl.where(ok, c, 0.0))
+        ends = tl.where(o_j == b0 // BLOCK, carry, ends)
         b0 += BLOCK
     n_kept = tl.sum(count, 0)
     target = philox_uniform(tl.load(p_seed + r * s_seed), tl.load(p_pos + r * s_pos)) * tl.max(kept, 0)
-    carry = 0.0
-    below = tl.zeros([BLOCK], dtype=tl.int32)  # kept ranks whose running sum is <= target
-    for b0 in range(0, n_kept, BLOCK):  # the same sums as above, over the kept prefix
-        b, c, carry = _running_sum(row, b0 + o_b, n, carry)
-        ok = (b0 + o_b < n) & (c - b < limit) & (b >= floor)
-        below += (ok & (c <= target)).to(tl.int32)
-    tl.store(p_pick + r, tl.maximum(tl.minimum(tl.sum(below, 0), n_kept - 1), 0).to(tl.int64))  # 0: NaN logits
+    # Running sums never fall, so every rank of the blocks that end at or below the target is at or below it, and
+    # every rank after the first block that ends above it is above it: only that block is counted rank by rank.
+    j = tl.sum((ends <= target).to(tl.int32), 0)
+    b, c, _ = _running_sum(row, j * BLOCK + o_b, n, tl.max(tl.where(o_j < j, ends, 0.0), 0))
+    ok = (j * BLOCK + o_b < n) & (c - b < limit) & (b >= floor)
+    below = j * BLOCK + tl.sum((ok & (c <= target)).to(tl.int32), 0)  # kept ranks whose running sum is <= target
+    tl.store(p_pick + r, tl.maximum(tl.minimum(below, n_kept - 1), 0).to(tl.int64))  # 0: NaN logits
 
 
 def pick_triton(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                 seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """probs float32 [R, V], each row sorted in descending order; top_k int64 [R] (V for off); top_p, min_p
-    float32 [R]; seed, position int64 [R] (u = philox_uniform(seed, position)). Returns the picked rank of each
-    row, int64 [R] (see `_pick_kernel`). The [R] tensors may be strided views (columns of one settings tensor)."""
+    """probs float32 [R, V] (or any positive multiple of each row), each row sorted in descending order; top_k
+    int64 [R] (V for off); top_p, min_p float32 [R]; seed, position int64 [R] (u = philox_uniform(seed, position)).
+    Returns the picked rank of each row, int64 [R] (see `_pick_kernel`). The [R] tensors may be strided views
+    (columns of one settings tensor)."""
     R, V = probs.shape
     assert probs.dtype == torch.float32 and probs.stride(1) == 1, "probs must be float32 with contiguous rows"
     pick = torch.empty(R, dtype=torch.int64, device=probs.device)
     if R:
         per_row = (top_k, top_p, min_p, seed, position)
         _pick_kernel[(R,)](probs, *per_row, pick, V, probs.stride(0), *(t.stride(0) for t in per_row), BLOCK=BLOCK,
-                           num_warps=8)
+                           MAX_BLOCKS=triton.next_power_of_2(triton.cdiv(V, BLOCK)), num_warps=8)
     return pick

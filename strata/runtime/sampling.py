@@ -135,8 +135,8 @@ def apply_penalties(
 
 
 def pick_reference(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor) -> Tensor:
-    """probs float32 [R, V], each row sorted in descending order; top_k int64 [R] (V for off); top_p, min_p, u
-    float32 [R]. Returns each row's picked rank, int64 [R]: of the ranks the filters keep, the first whose running
+    """probs float32 [R, V] (or any positive multiple of each row), each row sorted in descending order; top_k
+    int64 [R] (V for off); top_p, min_p, u float32 [R]. Returns each row's picked rank, int64 [R]: of the ranks the filters keep, the first whose running
     sum exceeds u times the kept mass. On a GPU `strata.kernels.sampling.pick_triton` does this: torch.cumsum over
     one long row does not add in a fixed order there, and the pick must not change from run to run."""
     vocab_size = probs.shape[-1]
@@ -165,16 +165,16 @@ def sample(
     """logits [R, V] float; params one per row (already validated); positions int64 [R] (or the ints, made a
     tensor only when some row samples), the position the sampled token will take. Penalty inputs as in `apply_penalties`.
 
-    Returns token ids int64 [R]. Greedy rows: argmax. Sampled rows: logits / temperature, softmax in
-    float32, keep the top_k, then the smallest prefix of the sorted probabilities whose mass reaches
-    top_p (of what top_k kept), then the tokens with p >= min_p * p_max; renormalise and pick by
-    inverse CDF with u = philox_uniform(seed, position). Ties in the sort go to the lowest id."""
+    Returns token ids int64 [R]. Greedy rows: argmax. Sampled rows: each token weighs exp((logit - the row's
+    largest) / temperature) in float32 (the softmax unnormalised: every rule below is a ratio), keep the top_k,
+    then the smallest prefix of the sorted weights whose mass reaches top_p (of what top_k kept), then the tokens
+    weighing >= min_p times the largest; pick by inverse CDF over what is kept with u = philox_uniform(seed,
+    position). Ties in the sort go to the lowest id."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"sample: {len(params)} params for {logits.shape[0]} rows")
     logits = apply_penalties(logits, params, seen_prompt, generated_counts)
-    greedy_ids = logits.argmax(dim=-1)
     if all(p.is_greedy for p in params):
-        return greedy_ids
+        return logits.argmax(dim=-1)
 
     device = logits.device
     vocab_size = logits.shape[-1]
@@ -189,10 +189,11 @@ def sample(
         positions = row_tensor(list(positions), torch.int64, device)
     positions = positions.to(torch.int64)
 
-    x = logits.float()
-    x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # max 0 first: a tiny T cannot overflow
-    x_sorted, order = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
-    probs = x_sorted.softmax(dim=-1)  # [R, V], descending
+    # Sorted by logit (the order of logit / T for any T > 0), then each token's weight exp((x - x_max) / T): the
+    # softmax without its normalisation, which no filter and not the pick needs (each is a ratio of weights).
+    # Subtracting the largest logit first keeps a tiny T from overflowing.
+    x_sorted, order = logits.float().sort(dim=-1, descending=True, stable=True)  # [R, V]
+    probs = ((x_sorted - x_sorted[:, :1]) / temperature[:, None]).exp_()  # [R, V], descending, the first 1
 
     if probs.is_cuda:  # fixed-order sums and the uniform number in one launch
         from strata.kernels.sampling import pick_triton  # imports triton: only where a GPU samples
@@ -201,4 +202,6 @@ def sample(
     else:
         pick = pick_reference(probs, top_k, top_p, min_p, philox_uniform(seed, positions))  # [R]
     sampled_ids = order.gather(-1, pick[:, None]).squeeze(-1)
-    return torch.where(greedy, greedy_ids, sampled_ids)
+    if not any(p.is_greedy for p in params):
+        return sampled_ids
+    return torch.where(greedy, logits.argmax(dim=-1), sampled_ids)
