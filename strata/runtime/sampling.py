@@ -136,9 +136,10 @@ def apply_penalties(
 
 def pick_reference(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor) -> Tensor:
     """probs float32 [R, V] (or any positive multiple of each row), each row sorted in descending order; top_k
-    int64 [R] (V for off); top_p, min_p, u float32 [R]. Returns each row's picked rank, int64 [R]: of the ranks the filters keep, the first whose running
-    sum exceeds u times the kept mass. On a GPU `strata.kernels.sampling.pick_triton` does this: torch.cumsum over
-    one long row does not add in a fixed order there, and the pick must not change from run to run."""
+    int64 [R] (V for off); top_p, min_p, u float32 [R]. Returns each row's picked rank, int64 [R]: of the ranks the
+    filters keep, the first whose running sum exceeds u times the kept mass. On a GPU
+    `strata.kernels.sampling.pick_triton` does this: torch.cumsum over one long row does not add in a fixed order
+    there, and the pick must not change from run to run."""
     vocab_size = probs.shape[-1]
     # Each filter keeps a prefix of the sorted order, and every one keeps the first token.
     rank = torch.arange(vocab_size, device=probs.device)
@@ -193,14 +194,14 @@ def sample(
     # softmax without its normalisation, which no filter and not the pick needs (each is a ratio of weights).
     # Subtracting the largest logit first keeps a tiny T from overflowing.
     x_sorted, order = logits.float().sort(dim=-1, descending=True, stable=True)  # [R, V]
-    probs = ((x_sorted - x_sorted[:, :1]) / temperature[:, None]).exp_()  # [R, V], descending, the first 1
+    weights = ((x_sorted - x_sorted[:, :1]) / temperature[:, None]).exp_()  # [R, V], descending, the first 1
 
-    if probs.is_cuda:  # fixed-order sums and the uniform number in one launch
+    if weights.is_cuda:  # fixed-order sums and the uniform number in one launch
         from strata.kernels.sampling import pick_triton  # imports triton: only where a GPU samples
 
-        pick = pick_triton(probs, top_k, top_p, min_p, seed, positions)
+        pick = pick_triton(weights, top_k, top_p, min_p, seed, positions)
     else:
-        pick = pick_reference(probs, top_k, top_p, min_p, philox_uniform(seed, positions))  # [R]
+        pick = pick_reference(weights, top_k, top_p, min_p, philox_uniform(seed, positions))  # [R]
     sampled_ids = order.gather(-1, pick[:, None]).squeeze(-1)
     if not any(p.is_greedy for p in params):
         return sampled_ids
