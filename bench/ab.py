@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,8")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-cells", type=int, default=1024, help="K/V cells a conversation may hold (prompt + tokens)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--checks", action="store_true")
     p.add_argument("--sampled", action="store_true", help="time sampled conversations (bench/decode.py's sampled "
@@ -101,7 +102,7 @@ def main() -> None:
     from decode import check_invariance_and_batch, hf_model, strata_engine, time_strata
 
     layers = args.layers or (24 if args.shape == "qwen3-next-80b-a3b" else None)
-    engine = strata_engine(hf_model(args.shape, layers, "cuda"), "cuda")
+    engine = strata_engine(hf_model(args.shape, layers, "cuda"), "cuda", args.max_cells)
     print(f"{args.shape}, {engine.spec.num_layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.checks:
         for name, assignments in variants:

@@ -68,7 +68,7 @@ def hf_model(shape: str, num_layers: int | None, device: str):
     return model
 
 
-def strata_engine(model, device: str):
+def strata_engine(model, device: str, max_cells: int = 1024):
     from strata.model.checkpoint import StateDictCheckpoint
     from strata.model.families import build_spec
     from strata.model.weights import load_stage_weights
@@ -78,7 +78,7 @@ def strata_engine(model, device: str):
     ckpt = StateDictCheckpoint(config, dict(model.state_dict()))
     family, spec = build_spec(config, "bench")
     weights = load_stage_weights(ckpt, family, spec, range(spec.num_layers), torch.device(device), torch.bfloat16)
-    return Engine(None, device=device, dtype=torch.bfloat16, max_cells=1024, spec=spec, weights=weights)
+    return Engine(None, device=device, dtype=torch.bfloat16, max_cells=max_cells, spec=spec, weights=weights)
 
 
 def step_bytes(engine, rows: int, context: int, distinct_experts: float) -> float:

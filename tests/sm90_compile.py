@@ -147,6 +147,16 @@ def cases():
             pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "out", "gate")} | dict(
                 m_part=f32, l_part=f32, seq_ids="i32", positions="i32"),
             ones=("s_qd", "s_kd", "s_vd", "s_od"))))
+        out.append((f"_decode_kernel D={d} split", attention._decode_kernel, dict(  # pools past SPLIT_FROM_CELLS
+            constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=True,
+                            CHUNK_CELLS=attention.SPLIT_CELLS, DOT_PRECISION="tf32", GATE=False, **pdl),
+            pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "gate")} | dict(
+                out=f32, m_part=f32, l_part=f32, seq_ids="i32", positions="i32"),
+            ones=("s_qd", "s_kd", "s_vd", "s_od"))))
+        out.append((f"_decode_combine_kernel D={d}{' gated' if gate else ''}", attention._decode_combine_kernel, dict(
+            constexprs=dict(D=d, BLOCK_D=block_d, CHUNK_CELLS=attention.SPLIT_CELLS, GATE=gate, **pdl),
+            pointers=dict(acc_part=f32, m_part=f32, l_part=f32, positions="i32", out="bf16", gate="bf16"),
+            ones=("s_ad", "s_od"), num_warps=1)))
     norm_ptrs = dict(p_h=f32, p_ids="i32", p_w=f32)
     out.append(("_add_rms_norm_kernel (expert pairs)", rmsnorm._add_rms_norm_kernel, dict(
         constexprs=dict(PAIRS=True, SPLIT=0, K_TOP=8, BLOCK_TOP=8, SHARED=0, SPLIT_S=0, SPLIT_G=0, BLOCK=2048, **pdl),

@@ -60,3 +60,28 @@ def test_triton_decode_through_two_stages(engines):
     split = Engine(reference.files, max_cells=128, kernels="triton", layer_split="2,2", batch_groups=2)
     ids = prompt(3)
     assert split.generate(ids, NEW, stop_ids=frozenset()).ids == fast.generate(ids, NEW, stop_ids=frozenset()).ids
+
+
+def test_long_pools_decode_with_split_attention(engines, monkeypatch):
+    """A pool past `SPLIT_FROM_CELLS` decodes with the split attention (cells in fixed chunks, merged in order;
+    Qwen3-Next's output gate applied by the merge): the torch path's tokens and logits, rows bitwise the same alone
+    or batched. The threshold and the chunk are lowered so a short prompt crosses chunks."""
+    from strata.kernels import attention
+
+    monkeypatch.setattr(attention, "SPLIT_FROM_CELLS", 64)
+    monkeypatch.setattr(attention, "SPLIT_CELLS", 64)
+    reference, fast = engines
+    ids = [(j * 7 + 3) % VOCAB for j in range(70)]  # past the first chunk of 64 cells
+    assert fast.generate(ids, 3, stop_ids=frozenset()).ids == reference.generate(ids, 3, stop_ids=frozenset()).ids
+    states = reference.new_state(), fast.new_state()
+    for engine, state in zip(engines, states):
+        engine.run(state, ids)
+    a, b = (engine.run(state, [5]) for engine, state in zip(engines, states))
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-4
+    alone = fast.init_slots(1)
+    alone.admit(0, ids, 2)
+    solo = alone.run_slots().logits[0]
+    batch = fast.init_slots(3)
+    for slot, p in ((0, prompt(0)), (1, ids), (2, prompt(3))):
+        batch.admit(slot, p, 2)
+    assert torch.equal(batch.run_slots().logits[1], solo)

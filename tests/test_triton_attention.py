@@ -110,6 +110,25 @@ def test_split_decode_matches_reference(case, dtype):
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_split_decode_applies_the_output_gate_and_matches_one_chunk_bitwise(dtype):
+    """The split variant with Qwen3-Next's output gate (applied by the merge): the reference times sigmoid(gate);
+    rows whose cells fit the first chunk get bitwise what the one-program kernel gives (the merge of one chunk is
+    its own acc / l), so a pool's switch to the split variant (`SPLIT_FROM_CELLS`) changes nothing for them."""
+    r, h, hkv, d, n_cells = 5, 6, 2, 24, 200
+    k_pool, v_pool = make_pool(n_cells, h, hkv, d, dtype)
+    q, seq_ids, positions = make_rows(r, h, d, n_cells, dtype)
+    positions[:3] = torch.tensor([0, 40, 63], dtype=torch.int32)  # within the first chunk of 64
+    positions[3:] = torch.tensor([64, 190], dtype=torch.int32)
+    q_gate = torch.cat([q, torch.randn(r, h, d, generator=torch.Generator().manual_seed(5)).to(dtype)], dim=-1)
+    q, gate = q_gate.chunk(2, dim=-1)  # strided views, as the projection gives them
+    split = decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, gate, chunk_cells=64)
+    want = decode_attention_reference(q, k_pool, v_pool, seq_ids, positions, d**-0.5) * torch.sigmoid(gate)
+    torch.testing.assert_close(split, want, **TOL[dtype])
+    whole = decode_attention_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, gate)
+    assert torch.equal(split[:3], whole[:3])
+
+
 def _with_junk_past(pool, last_positions, seq_ids, seed=2):
     """pool with every cell past the last position read in each sequence set to large values."""
     gen = torch.Generator().manual_seed(seed)

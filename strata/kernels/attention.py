@@ -54,6 +54,12 @@ def decode_attention_reference(
 
 LOG2E = 1.4426950408889634
 SPLIT_CELLS = 512  # cells per program in the split (flash-decoding) variant: a constant, never derived from R
+# Decode windows over a pool whose sequences may hold more cells than this use the split variant: one program per
+# (row, K/V head) walks a long context alone (H200, 30B shape, 8,000 cells: 122.6 tok/s at 1 row against 315.1
+# split in 512-cell chunks, 643.6 against 914.9 at 8 rows), and the merge costs a launch that short pools need not
+# pay. The choice follows the pool's size, fixed for an engine, never the window's rows or their positions: a
+# row's bits do not depend on what shares its window.
+SPLIT_FROM_CELLS = 2048
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -150,10 +156,12 @@ def _decode_combine_kernel(
     s_ar, s_ah, s_ac, s_ad,
     s_mr, s_mh, s_mc,
     s_or, s_oh, s_od,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_CELLS: tl.constexpr,
+    gate, s_gr, s_gh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_CELLS: tl.constexpr, GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, query head): merges the row's chunk partials in chunk order."""
+    """One program per (row, query head): merges the row's chunk partials in chunk order. GATE: the head's output
+    times sigmoid(gate), rounded as `_decode_kernel` rounds it."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -174,7 +182,13 @@ def _decode_combine_kernel(
         l = l * alpha + l_c * beta
         m = m_new
     l = tl.where(l > 0.0, l, 1.0)
-    tl.store(out + i_r * s_or + i_h * s_oh + offs_d * s_od, (acc / l).to(out.dtype.element_ty), mask=mask_d)
+    ty = out.dtype.element_ty
+    b_o = (acc / l).to(ty)
+    if GATE:  # the output gate: sigmoid rounded to the model's dtype, then the product rounded
+        b_g = tl.load(gate + i_r * s_gr + i_h * s_gh + offs_d, mask=mask_d, other=0.0)
+        b_g = tl.sigmoid(b_g.to(tl.float32)).to(ty)
+        b_o = (b_o.to(tl.float32) * b_g.to(tl.float32)).to(ty)
+    tl.store(out + i_r * s_or + i_h * s_oh + offs_d * s_od, b_o, mask=mask_d)
 
 
 def _decode_blocks(d: int, group: int) -> tuple[int, int, int]:
@@ -227,17 +241,19 @@ def decode_attention_split_triton(
     seq_ids: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
     chunk_cells: int = SPLIT_CELLS,
 ) -> torch.Tensor:
     """Flash-decoding: `decode_attention_reference` with each row's cells split in fixed chunks of
     `chunk_cells` (one program per (row, K/V head, chunk); chunks past a row's position do nothing),
-    then one program per (row, query head) merging the chunks in order. For long contexts with few
-    rows. `chunk_cells` must be a constant (a multiple of 64), never derived from the number of rows.
-    Returns [R, H, D] in q's dtype."""
+    then one program per (row, query head) merging the chunks in order. For long contexts
+    (`SPLIT_FROM_CELLS`). `chunk_cells` must be a constant (a multiple of 64), never derived from the number of
+    rows. `gate` as in `decode_attention_triton`, applied by the merge. Returns [R, H, D] in q's dtype."""
     r, h, d, hkv = _check_decode(q, k_pool, v_pool)
     out = torch.empty_like(q)  # [R, H, D]
     if r == 0:
         return out
+    assert gate is None or (gate.shape == q.shape and gate.stride(-1) == 1), "gate: [R, H, D], unit last stride"
     block_g, block_d, block_n = _decode_blocks(d, h // hkv)
     assert chunk_cells % 64 == 0, chunk_cells
     n_chunks = triton.cdiv(k_pool.shape[1], chunk_cells)
@@ -258,7 +274,8 @@ def decode_attention_split_triton(
     _decode_combine_kernel[(r, h)](
         acc_part, m_part, l_part, positions, out,
         *acc_part.stride(), *m_part.stride(), *out.stride(),
-        D=d, BLOCK_D=block_d, CHUNK_CELLS=chunk_cells,
+        gate if gate is not None else out, *(gate.stride()[:2] if gate is not None else (0, 0)),
+        D=d, BLOCK_D=block_d, CHUNK_CELLS=chunk_cells, GATE=gate is not None,
         num_warps=1, **pdl(q)
     )
     return out
