@@ -55,10 +55,10 @@ def decode_attention_reference(
 LOG2E = 1.4426950408889634
 SPLIT_CELLS = 512  # cells per program in the split (flash-decoding) variant: a constant, never derived from R
 # Decode windows over a pool whose sequences may hold more cells than this use the split variant: one program per
-# (row, K/V head) walks a long context alone (H200, 30B shape, 8,000 cells: 122.6 tok/s at 1 row against 315.1
-# split in 512-cell chunks, 643.6 against 914.9 at 8 rows), and the merge costs a launch that short pools need not
-# pay. The choice follows the pool's size, fixed for an engine, never the window's rows or their positions: a
-# row's bits do not depend on what shares its window.
+# (row, K/V head) walks a long context alone (H200, 8,000 cells: the 30B shape 122.6 tok/s at 1 row against 315.1
+# split in 512-cell chunks, 643.6 against 914.9 at 8 rows; Qwen3-Next 322.9 against 560.7 and 1,443.7 against
+# 1,858.3), and the merge costs a launch that short pools need not pay. The choice follows the pool's size, fixed
+# for an engine, never the window's rows or their positions: a row's bits do not depend on what shares its window.
 SPLIT_FROM_CELLS = 2048
 
 
