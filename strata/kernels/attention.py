@@ -281,6 +281,18 @@ def decode_attention_split_triton(
     return out
 
 
+def decode_attention_for_pool(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+    scale: float, gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode window's attention: `decode_attention_split_triton` in SPLIT_CELLS chunks when the pool's sequences
+    may hold more than SPLIT_FROM_CELLS cells, else `decode_attention_triton` (the rule by the pool's size alone)."""
+    if k_pool.shape[1] > SPLIT_FROM_CELLS:
+        return decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate,
+                                             chunk_cells=SPLIT_CELLS)
+    return decode_attention_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate)
+
+
 @triton.jit
 def _prefill_kernel(
     q, k_cells, v_cells, positions, out,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
-from strata.kernels import attention
+from strata.kernels.attention import decode_attention_for_pool
 from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
@@ -76,12 +76,7 @@ class TritonDecode:
         q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
                            a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
         # the output gate (Qwen3-Next) is applied as the heads are stored; long pools split each row's cells
-        if pool.k[i].shape[1] > attention.SPLIT_FROM_CELLS:
-            out = attention.decode_attention_split_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale,
-                                                          gate, chunk_cells=attention.SPLIT_CELLS)
-        else:
-            out = attention.decode_attention_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate)
-        out = out.reshape(r, -1)
+        out = decode_attention_for_pool(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate).reshape(r, -1)
         return linear_split(out, w["o"])  # its chunks are added by the next norm
 
     def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
