@@ -208,8 +208,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-cells", type=int, default=1024, help="K/V cells a conversation may hold (past 2,048 the "
-                   "decode attention splits them in chunks: give --prompt-len 8000 --max-cells 8192 for long contexts)")
+    p.add_argument("--max-cells", type=int, default=1024, help="K/V cells a conversation may hold (the decode "
+                   "attention spreads rows past 512 cells over chunks: --prompt-len 8000 --max-cells 8192 for long contexts)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8 "

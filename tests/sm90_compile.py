@@ -42,6 +42,9 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict[str, str] | None = Non
     params = list(inspect.signature(kernel.fn).parameters)
     unknown = set(constexprs) - set(params)
     assert not unknown, f"{kernel.fn.__name__} has no arguments {sorted(unknown)}"
+    declared = {name for name, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" in str(p.annotation)}
+    missing = declared - set(constexprs) - set(ones)
+    assert not missing, f"{kernel.fn.__name__}: the case gives no value for its constexprs {sorted(missing)}"
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(params):
         if name in constexprs:
@@ -141,22 +144,18 @@ def cases():
             plain=("H", "HKV", "HALF"), num_warps=rmsnorm.norm_warps(d))))
         block_g, block_d, block_n = attention._decode_blocks(d, h // hkv)
         gate = d == 256  # Qwen3-Next's heads carry the output gate
-        out.append((f"_decode_kernel D={d}{' gated' if gate else ''}", attention._decode_kernel, dict(
-            constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=False,
-                            CHUNK_CELLS=block_n, DOT_PRECISION="tf32", GATE=gate, **pdl),
-            pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "out", "gate")} | dict(
-                m_part=f32, l_part=f32, seq_ids="i32", positions="i32"),
-            ones=("s_qd", "s_kd", "s_vd", "s_od"))))
-        out.append((f"_decode_kernel D={d} split", attention._decode_kernel, dict(  # pools past SPLIT_FROM_CELLS
-            constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=True,
-                            CHUNK_CELLS=attention.SPLIT_CELLS, DOT_PRECISION="tf32", GATE=False, **pdl),
-            pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "gate")} | dict(
-                out=f32, m_part=f32, l_part=f32, seq_ids="i32", positions="i32"),
-            ones=("s_qd", "s_kd", "s_vd", "s_od"))))
-        out.append((f"_decode_combine_kernel D={d}{' gated' if gate else ''}", attention._decode_combine_kernel, dict(
-            constexprs=dict(D=d, BLOCK_D=block_d, CHUNK_CELLS=attention.SPLIT_CELLS, GATE=gate, **pdl),
-            pointers=dict(acc_part=f32, m_part=f32, l_part=f32, positions="i32", out="bf16", gate="bf16"),
-            ones=("s_ad", "s_od"), num_warps=1)))
+        for split in (False, True):  # the split: every decode window's (chunks merged by the last to finish)
+            out.append((f"_decode_kernel D={d}{' gated' if gate else ''}{' split' if split else ''}",
+                        attention._decode_kernel, dict(
+                constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
+                                CHUNK_CELLS=attention.SPLIT_CELLS if split else block_n,
+                                BLOCK_C=8192 // attention.SPLIT_CELLS if split else 1,
+                                MERGE=attention._merge_chunks(block_d, 8192 // attention.SPLIT_CELLS) if split else 1,
+                                DOT_PRECISION="tf32",
+                                GATE=gate, **pdl),
+                pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "out", "gate")} | dict(
+                    acc_part=f32, m_part=f32, l_part=f32, arrivals="i32", seq_ids="i32", positions="i32"),
+                ones=("s_qd", "s_kd", "s_vd", "s_od", "s_ad"))))
     norm_ptrs = dict(p_h=f32, p_ids="i32", p_w=f32)
     out.append(("_add_rms_norm_kernel (expert pairs)", rmsnorm._add_rms_norm_kernel, dict(
         constexprs=dict(PAIRS=True, SPLIT=0, K_TOP=8, BLOCK_TOP=8, SHARED=0, SPLIT_S=0, SPLIT_G=0, BLOCK=2048, **pdl),

@@ -62,13 +62,12 @@ def test_triton_decode_through_two_stages(engines):
     assert split.generate(ids, NEW, stop_ids=frozenset()).ids == fast.generate(ids, NEW, stop_ids=frozenset()).ids
 
 
-def test_long_pools_decode_with_split_attention(engines, monkeypatch):
-    """A pool past `SPLIT_FROM_CELLS` decodes with the split attention (cells in fixed chunks, merged in order;
+def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypatch):
+    """Rows past the first chunk of the split attention (cells in fixed chunks, merged by the last chunk to finish;
     Qwen3-Next's output gate applied by the merge): the torch path's tokens and logits, rows bitwise the same alone
-    or batched. The threshold and the chunk are lowered so a short prompt crosses chunks."""
+    or batched. The chunk is lowered so a short prompt crosses chunks."""
     from strata.kernels import attention
 
-    monkeypatch.setattr(attention, "SPLIT_FROM_CELLS", 64)
     monkeypatch.setattr(attention, "SPLIT_CELLS", 64)
     reference, fast = engines
     ids = [(j * 7 + 3) % VOCAB for j in range(70)]  # past the first chunk of 64 cells

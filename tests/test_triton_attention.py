@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton.language as tl
 
+from strata.kernels import attention as attention_kernels
 from strata.kernels.attention import (
     attention,
     decode_attention_reference,
@@ -111,10 +112,27 @@ def test_split_decode_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_split_decode_merges_more_chunks_than_one_round_of_loads(dtype):
+    """Rows spread over more chunks than the merge loads at a time (8 for these heads): every chunk is counted, the
+    last partial round masked; the arrival counters are back at zero after the launch, so a second launch (a
+    graph's next replay) gives the same bits."""
+    r, h, hkv, d, n_cells = 4, 4, 2, 24, 700  # chunks of 64: 11 in the pool
+    k_pool, v_pool = make_pool(n_cells, h, hkv, d, dtype)
+    q, seq_ids, positions = make_rows(r, h, d, n_cells, dtype)
+    positions[:] = torch.tensor([511, 512, 600, 699], dtype=torch.int32)  # 8, 9, 10 and 11 chunks
+    expected = decode_attention_reference(q, k_pool, v_pool, seq_ids, positions, d**-0.5)
+    first = decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, chunk_cells=64)
+    torch.testing.assert_close(first, expected, **TOL[dtype])
+    assert not attention_kernels._arrival_counters(q.device, r * hkv).any()
+    again = decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, chunk_cells=64)
+    assert torch.equal(again, first)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_split_decode_applies_the_output_gate_and_matches_one_chunk_bitwise(dtype):
-    """The split variant with Qwen3-Next's output gate (applied by the merge): the reference times sigmoid(gate);
-    rows whose cells fit the first chunk get bitwise what the one-program kernel gives (the merge of one chunk is
-    its own acc / l), so a pool's switch to the split variant (`SPLIT_FROM_CELLS`) changes nothing for them."""
+    """The split variant with Qwen3-Next's output gate (applied by whichever program finishes the row): the
+    reference times sigmoid(gate); rows whose cells fit the first chunk get bitwise what the one-program kernel
+    gives (that chunk finishes them alone, with the same loop and roundings)."""
     r, h, hkv, d, n_cells = 5, 6, 2, 24, 200
     k_pool, v_pool = make_pool(n_cells, h, hkv, d, dtype)
     q, seq_ids, positions = make_rows(r, h, d, n_cells, dtype)

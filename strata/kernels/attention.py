@@ -53,13 +53,11 @@ def decode_attention_reference(
 # Cells past a row's position are never loaded.
 
 LOG2E = 1.4426950408889634
-SPLIT_CELLS = 512  # cells per program in the split (flash-decoding) variant: a constant, never derived from R
-# Decode windows over a pool whose sequences may hold more cells than this use the split variant: one program per
-# (row, K/V head) walks a long context alone (H200, 8,000 cells: the 30B shape 122.6 tok/s at 1 row against 315.1
-# split in 512-cell chunks, 643.6 against 914.9 at 8 rows; Qwen3-Next 322.9 against 560.7 and 1,443.7 against
-# 1,858.3), and the merge costs a launch that short pools need not pay. The choice follows the pool's size, fixed
-# for an engine, never the window's rows or their positions: a row's bits do not depend on what shares its window.
-SPLIT_FROM_CELLS = 2048
+# Decode windows split each row's cells in chunks of SPLIT_CELLS (one program per row, K/V head and chunk), merged by
+# the chunk that finishes last: a row of up to SPLIT_CELLS cells is one program, as without the split, and a long
+# one is spread over the GPU (H200, 8,000 cells: the 30B shape 122.6 tok/s at 1 row with one program per head,
+# 315.1 split). A constant, never derived from the rows: a row's bits do not depend on what shares its window.
+SPLIT_CELLS = 512
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -72,123 +70,115 @@ def _block_d(d: int) -> int:
 
 @triton.jit
 def _decode_kernel(
-    q, k_pool, v_pool, seq_ids, positions, out, m_part, l_part, gate,
+    q, k_pool, v_pool, seq_ids, positions, out, gate, acc_part, m_part, l_part, arrivals,
     qk_scale,
     s_qr, s_qh, s_qd,
     s_ks, s_kl, s_kh, s_kd,
     s_vs, s_vl, s_vh, s_vd,
-    s_or, s_oh, s_oc, s_od,
-    s_mr, s_mh, s_mc,
+    s_or, s_oh, s_od,
     s_gr, s_gh,
+    s_ar, s_ah, s_ac, s_ad,
+    s_mr, s_mh, s_mc,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, BLOCK_C: tl.constexpr, MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (row, K/V head[, chunk of CHUNK_CELLS cells when SPLIT]); the G query heads of
-    the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros). GATE (not
-    with SPLIT): each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
+    the group are the rows of the [BLOCK_G, D] x [D, BLOCK_N] products (padded rows read zeros).
+
+    SPLIT: only the chunks holding the row's cells 0..position work. A row held by one chunk is finished by
+    it as without SPLIT (the same bits). Otherwise each chunk stores its partial (acc, max, sum) and counts
+    itself on the row's and head's arrival counter; the last to arrive merges the partials (weights against
+    the largest max, sums in chunk order; BLOCK_C >= the pool's chunks), finishes the row and sets the counter
+    back to zero for the next launch: no second launch.
+    GATE: each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
     i_hkv = tl.program_id(1)
     i_c = tl.program_id(2)
-    i_s = tl.load(seq_ids + i_r).to(tl.int64)
     pos = tl.load(positions + i_r).to(tl.int32)
     if SPLIT:
+        n_used = tl.maximum(pos, 0) // CHUNK_CELLS + 1  # chunks holding cells 0..pos
         lo = i_c * CHUNK_CELLS
         hi = tl.minimum(lo + CHUNK_CELLS, pos + 1)
     else:
+        n_used = 1
         lo = 0
         hi = pos + 1
+    if i_c < n_used:
+        i_s = tl.load(seq_ids + i_r).to(tl.int64)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = i_hkv * G + offs_g  # [BLOCK_G]
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        mask_o = mask_g[:, None] & mask_d[None, :]
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = i_hkv * G + offs_g  # [BLOCK_G]
-    mask_g = offs_g < G
-    mask_d = offs_d < D
+        p_q = q + i_r * s_qr + heads[:, None] * s_qh + offs_d[None, :] * s_qd
+        b_q = tl.load(p_q, mask=mask_o, other=0.0)  # [BLOCK_G, BLOCK_D]
+        p_k0 = k_pool + i_s * s_ks + i_hkv * s_kh
+        p_v0 = v_pool + i_s * s_vs + i_hkv * s_vh
 
-    p_q = q + i_r * s_qr + heads[:, None] * s_qh + offs_d[None, :] * s_qd
-    b_q = tl.load(p_q, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    p_k0 = k_pool + i_s * s_ks + i_hkv * s_kh
-    p_v0 = v_pool + i_s * s_vs + i_hkv * s_vh
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: a row with no cell yet never gives NaN
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cells = start + offs_n  # [BLOCK_N]
+            mask_n = cells < hi  # the row's cells of this program's range (a block may pass a chunk's end)
+            cells64 = cells.to(tl.int64)
+            p_k = p_k0 + cells64[None, :] * s_kl + offs_d[:, None] * s_kd
+            b_k = tl.load(p_k, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            p_v = p_v0 + cells64[:, None] * s_vl + offs_d[None, :] * s_vd
+            b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D], with K's load
+            b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+            b_s = tl.where(mask_n[None, :], b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            b_p = tl.exp2(b_s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: a row with no cell yet never gives NaN
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        cells = start + offs_n  # [BLOCK_N]
-        mask_n = cells < hi  # the row's cells of this program's range (a block may pass a chunk's end)
-        cells64 = cells.to(tl.int64)
-        p_k = p_k0 + cells64[None, :] * s_kl + offs_d[:, None] * s_kd
-        b_k = tl.load(p_k, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        p_v = p_v0 + cells64[:, None] * s_vl + offs_d[None, :] * s_vd
-        b_v = tl.load(p_v, mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D], with K's load
-        b_s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        b_s = tl.where(mask_n[None, :], b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        b_p = tl.exp2(b_s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    mask_o = mask_g[:, None] & mask_d[None, :]
-    p_o = out + i_r * s_or + heads[:, None] * s_oh + i_c * s_oc + offs_d[None, :] * s_od
-    if SPLIT:
-        tl.store(p_o, acc, mask=mask_o)
-        tl.store(m_part + i_r * s_mr + heads * s_mh + i_c * s_mc, m_i, mask=mask_g)
-        tl.store(l_part + i_r * s_mr + heads * s_mh + i_c * s_mc, l_i, mask=mask_g)
-    else:
-        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
-        ty = out.dtype.element_ty
-        b_o = (acc / l_i[:, None]).to(ty)
-        if GATE:  # the output gate: sigmoid rounded to the model's dtype, then the product rounded
-            b_g = tl.load(gate + i_r * s_gr + heads[:, None] * s_gh + offs_d[None, :], mask=mask_o, other=0.0)
-            b_g = tl.sigmoid(b_g.to(tl.float32)).to(ty)
-            b_o = (b_o.to(tl.float32) * b_g.to(tl.float32)).to(ty)
-        tl.store(p_o, b_o, mask=mask_o)
-
-
-@triton.jit
-def _decode_combine_kernel(
-    acc_part, m_part, l_part, positions, out,
-    s_ar, s_ah, s_ac, s_ad,
-    s_mr, s_mh, s_mc,
-    s_or, s_oh, s_od,
-    gate, s_gr, s_gh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_CELLS: tl.constexpr, GATE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program per (row, query head): merges the row's chunk partials in chunk order. GATE: the head's output
-    times sigmoid(gate), rounded as `_decode_kernel` rounds it."""
-    wait_for_prior(PDL)
-    i_r = tl.program_id(0)
-    i_h = tl.program_id(1)
-    pos = tl.load(positions + i_r).to(tl.int32)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    m = -1.0e30
-    l = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for c in range(0, (pos + CHUNK_CELLS) // CHUNK_CELLS):  # chunks holding cells 0..pos
-        m_c = tl.load(m_part + i_r * s_mr + i_h * s_mh + c * s_mc)
-        l_c = tl.load(l_part + i_r * s_mr + i_h * s_mh + c * s_mc)
-        b_a = tl.load(acc_part + i_r * s_ar + i_h * s_ah + c * s_ac + offs_d * s_ad, mask=mask_d, other=0.0)
-        m_new = tl.maximum(m, m_c)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_c - m_new)
-        acc = acc * alpha + b_a * beta
-        l = l * alpha + l_c * beta
-        m = m_new
-    l = tl.where(l > 0.0, l, 1.0)
-    ty = out.dtype.element_ty
-    b_o = (acc / l).to(ty)
-    if GATE:  # the output gate: sigmoid rounded to the model's dtype, then the product rounded
-        b_g = tl.load(gate + i_r * s_gr + i_h * s_gh + offs_d, mask=mask_d, other=0.0)
-        b_g = tl.sigmoid(b_g.to(tl.float32)).to(ty)
-        b_o = (b_o.to(tl.float32) * b_g.to(tl.float32)).to(ty)
-    tl.store(out + i_r * s_or + i_h * s_oh + offs_d * s_od, b_o, mask=mask_d)
+        finish = n_used == 1
+        if n_used > 1:  # this chunk's partial, then the merge by the last chunk to arrive
+            o_part = i_r * s_mr + heads * s_mh + i_c * s_mc  # [BLOCK_G]
+            tl.store(acc_part + i_r * s_ar + heads[:, None] * s_ah + i_c * s_ac + offs_d[None, :] * s_ad, acc,
+                     mask=mask_o)
+            tl.store(m_part + o_part, m_i, mask=mask_g)
+            tl.store(l_part + o_part, l_i, mask=mask_g)
+            tl.debug_barrier()  # every thread's partial stored before the chunk is counted
+            p_count = arrivals + i_r * tl.num_programs(1) + i_hkv
+            finish = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_used - 1
+            if finish:
+                tl.store(p_count, 0)  # ready for the next launch
+                # each chunk weighted by exp2(its max - the largest): [BLOCK_G, BLOCK_C] from one load of each part
+                o_cc = tl.arange(0, BLOCK_C)
+                m_gc = mask_g[:, None] & (o_cc < n_used)[None, :]
+                o_gc = i_r * s_mr + heads[:, None] * s_mh + o_cc[None, :] * s_mc
+                b_m = tl.load(m_part + o_gc, mask=m_gc, other=-1.0e30, cache_modifier=".cg")
+                b_l = tl.load(l_part + o_gc, mask=m_gc, other=0.0, cache_modifier=".cg")
+                b_w = tl.exp2(b_m - tl.max(b_m, 1)[:, None])  # [BLOCK_G, BLOCK_C]
+                l_i = tl.sum(b_l * b_w, 1)
+                # the weighted partials summed in chunk order, MERGE chunks' loads issued together
+                p_a = acc_part + i_r * s_ar + heads[:, None] * s_ah + offs_d[None, :] * s_ad  # [BLOCK_G, BLOCK_D]
+                acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for c0 in range(0, n_used, MERGE):
+                    for j in tl.static_range(MERGE):
+                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
+                                      cache_modifier=".cg")
+                        acc += b_a * tl.sum(tl.where(o_cc[None, :] == c0 + j, b_w, 0.0), 1)[:, None]
+        if finish:
+            l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
+            ty = out.dtype.element_ty
+            b_o = (acc / l_i[:, None]).to(ty)
+            if GATE:  # the output gate: sigmoid rounded to the model's dtype, then the product rounded
+                b_g = tl.load(gate + i_r * s_gr + heads[:, None] * s_gh + offs_d[None, :], mask=mask_o, other=0.0)
+                b_g = tl.sigmoid(b_g.to(tl.float32)).to(ty)
+                b_o = (b_o.to(tl.float32) * b_g.to(tl.float32)).to(ty)
+            tl.store(out + i_r * s_or + heads[:, None] * s_oh + offs_d[None, :] * s_od, b_o, mask=mask_o)
 
 
 def _decode_blocks(d: int, group: int) -> tuple[int, int, int]:
@@ -221,17 +211,37 @@ def decode_attention_triton(
     assert gate is None or (gate.shape == q.shape and gate.stride(-1) == 1), "gate: [R, H, D], unit last stride"
     block_g, block_d, block_n = _decode_blocks(d, h // hkv)
     _decode_kernel[(r, hkv, 1)](
-        q, k_pool, v_pool, seq_ids, positions, out, out, out, gate if gate is not None else out,
+        q, k_pool, v_pool, seq_ids, positions, out, gate if gate is not None else out, out, out, out, seq_ids,
         scale * LOG2E,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(),
-        out.stride(0), out.stride(1), 0, out.stride(2),
-        0, 0, 0,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
         *(gate.stride()[:2] if gate is not None else (0, 0)),
+        0, 0, 0, 0, 0, 0, 0,
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=False, CHUNK_CELLS=block_n, DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
+        SPLIT=False, CHUNK_CELLS=block_n, BLOCK_C=1, MERGE=1, DOT_PRECISION=_dot_precision(q.dtype),
+        GATE=gate is not None,
         num_warps=4, **pdl(q)
     )
     return out
+
+
+MERGE_CHUNKS = 8  # chunk partials the merge loads at a time for heads up to 128 wide (half as many for wider heads)
+
+
+def _merge_chunks(block_d: int, n_chunks: int) -> int:
+    return min(MERGE_CHUNKS if block_d <= 128 else MERGE_CHUNKS // 2, triton.next_power_of_2(n_chunks))
+
+
+_arrivals: dict[torch.device, list[torch.Tensor]] = {}  # device -> its counters, the last (largest) in use
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters on `device`, zero between launches (the kernel that counts on them sets them back).
+    One set per device, grown when a window needs more, never freed: a captured graph keeps the address it
+    was given. Windows on one device run one after the other, so they can share it."""
+    held = _arrivals.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def decode_attention_split_triton(
@@ -245,10 +255,10 @@ def decode_attention_split_triton(
     chunk_cells: int = SPLIT_CELLS,
 ) -> torch.Tensor:
     """Flash-decoding: `decode_attention_reference` with each row's cells split in fixed chunks of
-    `chunk_cells` (one program per (row, K/V head, chunk); chunks past a row's position do nothing),
-    then one program per (row, query head) merging the chunks in order. For long contexts
-    (`SPLIT_FROM_CELLS`). `chunk_cells` must be a constant (a multiple of 64), never derived from the number of
-    rows. `gate` as in `decode_attention_triton`, applied by the merge. Returns [R, H, D] in q's dtype."""
+    `chunk_cells` (one program per (row, K/V head, chunk); chunks past a row's position do nothing), merged in
+    chunk order by the chunk that finishes last (one launch). A row within the first chunk gets bitwise what
+    `decode_attention_triton` gives. `chunk_cells` must be a constant (a multiple of 64), never derived from the
+    number of rows. `gate` as in `decode_attention_triton`. Returns [R, H, D] in q's dtype."""
     r, h, d, hkv = _check_decode(q, k_pool, v_pool)
     out = torch.empty_like(q)  # [R, H, D]
     if r == 0:
@@ -261,22 +271,17 @@ def decode_attention_split_triton(
     m_part = torch.empty(r, h, n_chunks, device=q.device, dtype=torch.float32)  # [R, H, C]
     l_part = torch.empty_like(m_part)  # [R, H, C]
     _decode_kernel[(r, hkv, n_chunks)](
-        q, k_pool, v_pool, seq_ids, positions, acc_part, m_part, l_part, acc_part,
+        q, k_pool, v_pool, seq_ids, positions, out, gate if gate is not None else out, acc_part, m_part, l_part,
+        _arrival_counters(q.device, r * hkv),
         scale * LOG2E,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(),
-        *acc_part.stride(),
-        *m_part.stride(),
-        0, 0,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+        *(gate.stride()[:2] if gate is not None else (0, 0)),
+        *acc_part.stride(), *m_part.stride(),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=True, CHUNK_CELLS=chunk_cells, DOT_PRECISION=_dot_precision(q.dtype), GATE=False,
+        SPLIT=True, CHUNK_CELLS=chunk_cells, BLOCK_C=triton.next_power_of_2(n_chunks),
+        MERGE=_merge_chunks(block_d, n_chunks),
+        DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
         num_warps=4, **pdl(q)
-    )
-    _decode_combine_kernel[(r, h)](
-        acc_part, m_part, l_part, positions, out,
-        *acc_part.stride(), *m_part.stride(), *out.stride(),
-        gate if gate is not None else out, *(gate.stride()[:2] if gate is not None else (0, 0)),
-        D=d, BLOCK_D=block_d, CHUNK_CELLS=chunk_cells, GATE=gate is not None,
-        num_warps=1, **pdl(q)
     )
     return out
 
@@ -285,12 +290,9 @@ def decode_attention_for_pool(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
     scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A decode window's attention: `decode_attention_split_triton` in SPLIT_CELLS chunks when the pool's sequences
-    may hold more than SPLIT_FROM_CELLS cells, else `decode_attention_triton` (the rule by the pool's size alone)."""
-    if k_pool.shape[1] > SPLIT_FROM_CELLS:
-        return decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate,
-                                             chunk_cells=SPLIT_CELLS)
-    return decode_attention_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate)
+    """A decode window's attention: `decode_attention_split_triton` in SPLIT_CELLS chunks, whatever the pool's size
+    (a row within the first chunk is one program, merged by no one)."""
+    return decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate, chunk_cells=SPLIT_CELLS)
 
 
 @triton.jit
