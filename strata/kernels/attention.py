@@ -3,6 +3,8 @@ Triton kernels beside them for decode rows over a pool of sequences and for a pr
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -231,14 +233,16 @@ def _merge_chunks(block_d: int, n_chunks: int) -> int:
     return min(MERGE_CHUNKS if block_d <= 128 else MERGE_CHUNKS // 2, triton.next_power_of_2(n_chunks))
 
 
-_arrivals: dict[torch.device, list[torch.Tensor]] = {}  # device -> its counters, the last (largest) in use
+_arrivals: dict[tuple[torch.device, int], list[torch.Tensor]] = {}  # (device, thread) -> its counters, last in use
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counters on `device`, zero between launches (the kernel that counts on them sets them back).
-    One set per device, grown when a window needs more, never freed: a captured graph keeps the address it
-    was given. Windows on one device run one after the other, so they can share it."""
-    held = _arrivals.setdefault(device, [])
+    One set per device and launching thread: a thread's launches on a device run one after the other (a stage's
+    worker queues its windows on its own stream), while two stages on one device (--split-device, the CPU's
+    pipelined tests) run their windows at the same time from two threads. Grown when a window needs more, never
+    freed: a captured graph keeps the address it was given."""
+    held = _arrivals.setdefault((device, threading.get_ident()), [])
     if not held or held[-1].numel() < n:
         held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
     return held[-1]
