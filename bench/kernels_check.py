@@ -17,7 +17,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.attention import attention, decode_attention_triton, prefill_attention_triton
+from strata.kernels.attention import (attention, decode_attention_split_triton, decode_attention_triton,
+                                      prefill_attention_triton)
 from strata.kernels.elementwise import (gdn_gates, gdn_gates_triton, sigmoid_gate_add, sigmoid_gate_add_triton,
                                         silu_mul, silu_mul_triton)
 from strata.kernels.gdn import (causal_conv1d, causal_conv1d_triton, gated_delta_rule_chunked,
@@ -158,6 +159,17 @@ def check_attention() -> None:
         want = torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(), vp[seq[j], : pos[j] + 1].float(),
                                     pos[j : j + 1].long(), d**-0.5) for j in range(r)])
         report(f"decode_attention_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells", rel(got, want))
+        # the decode windows' kernel: cells in chunks, merged in the launch by the last chunk to finish (atomics)
+        cells = 5000
+        kp, vp = rand(10, cells, hkv, d), rand(10, cells, hkv, d)
+        pos = torch.tensor([0, 511, 512, 1500, 2600, 3999, 4500, 4999], device=DEV, dtype=torch.int32)
+        got = decode_attention_split_triton(qd, kp, vp, seq, pos, d**-0.5)
+        want = torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(), vp[seq[j], : pos[j] + 1].float(),
+                                    pos[j : j + 1].long(), d**-0.5) for j in range(r)])
+        again = [decode_attention_split_triton(qd, kp, vp, seq, pos, d**-0.5) for _ in range(20)]
+        alike = all(torch.equal(a, got) for a in again)
+        report(f"decode_attention_split_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells "
+               f"({'20 calls alike' if alike else 'calls DIFFER'})", rel(got, want) if alike else float("inf"))
 
 
 def check_gdn() -> None:
