@@ -129,6 +129,20 @@ def test_split_decode_merges_more_chunks_than_one_round_of_loads(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_split_decode_merges_more_chunks_than_one_load_of_maxima(dtype):
+    """A row over 70 chunks: the merge's largest max is taken over two loads of at most 64 chunks' maxima."""
+    r, h, hkv, d, n_cells = 2, 4, 2, 16, 64 * 70
+    k_pool, v_pool = make_pool(n_cells, h, hkv, d, dtype)
+    q, seq_ids, positions = make_rows(r, h, d, n_cells, dtype)
+    positions[:] = torch.tensor([n_cells - 1, 64 * 65 + 3], dtype=torch.int32)  # 70 and 66 chunks
+    group = h // hkv  # the largest scores (2^230 and more as exp2 weights) in a chunk past the first 64
+    k_pool[seq_ids[0], 64 * 66 + 5] = 40 * q[0, ::group].float().to(dtype)
+    expected = decode_attention_reference(q, k_pool, v_pool, seq_ids, positions, d**-0.5)
+    actual = decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, d**-0.5, chunk_cells=64)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_split_decode_applies_the_output_gate_and_matches_one_chunk_bitwise(dtype):
     """The split variant with Qwen3-Next's output gate (applied by whichever program finishes the row): the
     reference times sigmoid(gate); rows whose cells fit the first chunk get bitwise what the one-program kernel

@@ -92,9 +92,9 @@ def _decode_kernel(
 
     SPLIT: only the chunks holding the row's cells 0..position work. A row held by one chunk is finished by
     it as without SPLIT (the same bits). Otherwise each chunk stores its partial (acc, max, sum) and counts
-    itself on the row's and head's arrival counter; the last to arrive merges the partials (weights against
-    the largest max, sums in chunk order; BLOCK_C >= the pool's chunks), finishes the row and sets the counter
-    back to zero for the next launch: no second launch.
+    itself on the row's and head's arrival counter; the last to arrive merges the partials (each weighted by
+    exp2(its max - the largest), added in chunk order), finishes the row and sets the counter back to zero for
+    the next launch: no second launch.
     GATE: each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
@@ -156,22 +156,31 @@ def _decode_kernel(
             finish = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_used - 1
             if finish:
                 tl.store(p_count, 0)  # ready for the next launch
-                # each chunk weighted by exp2(its max - the largest): [BLOCK_G, BLOCK_C] from one load of each part
+                # the largest of the chunks' maxima, BLOCK_C chunks a load
                 o_cc = tl.arange(0, BLOCK_C)
-                m_gc = mask_g[:, None] & (o_cc < n_used)[None, :]
-                o_gc = i_r * s_mr + heads[:, None] * s_mh + o_cc[None, :] * s_mc
-                b_m = tl.load(m_part + o_gc, mask=m_gc, other=-1.0e30, cache_modifier=".cg")
-                b_l = tl.load(l_part + o_gc, mask=m_gc, other=0.0, cache_modifier=".cg")
-                b_w = tl.exp2(b_m - tl.max(b_m, 1)[:, None])  # [BLOCK_G, BLOCK_C]
-                l_i = tl.sum(b_l * b_w, 1)
-                # the weighted partials summed in chunk order, MERGE chunks' loads issued together
+                p_m = m_part + i_r * s_mr + heads[:, None] * s_mh  # [BLOCK_G, 1]
+                b_top = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+                for c0 in range(0, n_used, BLOCK_C):
+                    m_gc = mask_g[:, None] & (c0 + o_cc < n_used)[None, :]
+                    b_m = tl.load(p_m + (c0 + o_cc)[None, :] * s_mc, mask=m_gc, other=-1.0e30, cache_modifier=".cg")
+                    b_top = tl.maximum(b_top, tl.max(b_m, 1))
+                # each chunk weighted by exp2(its max - the largest), its sum and partial added in chunk order,
+                # MERGE chunks' loads issued together
                 p_a = acc_part + i_r * s_ar + heads[:, None] * s_ah + offs_d[None, :] * s_ad  # [BLOCK_G, BLOCK_D]
+                p_ml = i_r * s_mr + heads * s_mh  # [BLOCK_G]
+                l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
                 acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
                 for c0 in range(0, n_used, MERGE):
                     for j in tl.static_range(MERGE):
-                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
-                                      cache_modifier=".cg")
-                        acc += b_a * tl.sum(tl.where(o_cc[None, :] == c0 + j, b_w, 0.0), 1)[:, None]
+                        ok = c0 + j < n_used
+                        b_mc = tl.load(m_part + p_ml + (c0 + j) * s_mc, mask=mask_g & ok, other=-1.0e30,
+                                       cache_modifier=".cg")
+                        b_lc = tl.load(l_part + p_ml + (c0 + j) * s_mc, mask=mask_g & ok, other=0.0,
+                                       cache_modifier=".cg")
+                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & ok, other=0.0, cache_modifier=".cg")
+                        b_w = tl.exp2(b_mc - b_top)  # [BLOCK_G]
+                        l_i += b_lc * b_w
+                        acc += b_a * b_w[:, None]
         if finish:
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
             ty = out.dtype.element_ty
@@ -282,7 +291,7 @@ def decode_attention_split_triton(
         *(gate.stride()[:2] if gate is not None else (0, 0)),
         *acc_part.stride(), *m_part.stride(),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=True, CHUNK_CELLS=chunk_cells, BLOCK_C=triton.next_power_of_2(n_chunks),
+        SPLIT=True, CHUNK_CELLS=chunk_cells, BLOCK_C=min(triton.next_power_of_2(n_chunks), 64),
         MERGE=_merge_chunks(block_d, n_chunks),
         DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
         num_warps=4, **pdl(q)
