@@ -89,7 +89,7 @@ def cases():
     import triton
     import triton.language as tl
 
-    from strata.kernels import attention, elementwise, gdn, linear, moe, qk_prep, rmsnorm
+    from strata.kernels import attention, elementwise, gdn, linear, moe, qk_prep, rmsnorm, sampling
 
     pdl = dict(PDL=True)
     f32 = "fp32"
@@ -179,6 +179,11 @@ def cases():
         constexprs=dict(BLOCK=32, **pdl), pointers=dict(p_neg_a=f32, p_dt_bias=f32, p_decay=f32), plain=("HV",))))
     out.append(("_sigmoid_gate_add_kernel", elementwise._sigmoid_gate_add_kernel, dict(
         constexprs=dict(BLOCK=1024, **pdl))))
+    # the sampler's pick over a 151,936-token vocabulary (after each sampled decode step), as pick_triton launches it
+    out.append(("_pick_kernel", sampling._pick_kernel, dict(
+        constexprs=dict(BLOCK=sampling.BLOCK, MAX_BLOCKS=triton.next_power_of_2(triton.cdiv(151936, sampling.BLOCK))),
+        pointers=dict(p_probs=f32, p_top_k="i64", p_top_p=f32, p_min_p=f32, p_seed="i64", p_pos="i64",
+                      p_pick="i64"), plain=("V",), num_warps=8)))
     decode = len(out)
     for d, g in [(128, 8), (256, 8)]:
         block_m, block_n, warps, stages = attention.prefill_tiles(d)
