@@ -248,9 +248,9 @@ _arrivals: dict[tuple[torch.device, int], list[torch.Tensor]] = {}  # (device, t
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counters on `device`, zero between launches (the kernel that counts on them sets them back).
     One set per device and launching thread: a thread's launches on a device run one after the other (a stage's
-    worker queues its windows on its own stream, and captures and replays its graphs itself), while stages that
-    share a device and pipeline groups (the CPU's tests) run their windows at the same time from their own
-    workers. Grown when a window needs more, never freed: a captured graph keeps the address it was given."""
+    worker queues its windows on its own stream, and captures and replays its graphs itself), and stages that
+    share a device never share counters. Grown when a window needs more, never freed: a captured graph keeps the
+    address it was given."""
     held = _arrivals.setdefault((device, threading.get_ident()), [])
     if not held or held[-1].numel() < n:
         held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
