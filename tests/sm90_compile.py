@@ -89,7 +89,7 @@ def cases():
     import triton
     import triton.language as tl
 
-    from strata.kernels import attention, elementwise, gdn, linear, moe, qk_prep, rmsnorm, sampling
+    from strata.kernels import attention, elementwise, gdn, linear, moe, qk_prep, rmsnorm, rope, sampling
 
     pdl = dict(PDL=True)
     f32 = "fp32"
@@ -185,6 +185,11 @@ def cases():
         pointers=dict(p_probs=f32, p_top_k="i64", p_top_p=f32, p_min_p=f32, p_seed="i64", p_pos="i64",
                       p_pick="i64"), plain=("V",), num_warps=8)))
     decode = len(out)
+    for h, d, rot in [(32, 128, 128), (16, 256, 64)]:  # prompt windows rotate q and k with it (Forward.rotate)
+        out.append((f"_rope_kernel D={d} rotary {rot}", rope._rope_kernel, dict(
+            constexprs=dict(BLOCK_H=min(h, rope.MAX_HEAD_BLOCK), BLOCK_HALF=rot // 2,
+                            BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), HAS_PASS=rot < d, **pdl),
+            pointers=dict(p_pos="i32", p_inv_freq=f32), plain=("H", "HALF"))))
     for d, g in [(128, 8), (256, 8)]:
         block_m, block_n, warps, stages = attention.prefill_tiles(d)
         out.append((f"_prefill_kernel D={d}", attention._prefill_kernel, dict(
