@@ -265,19 +265,21 @@ def decode_attention_split_triton(
     positions: torch.Tensor,
     scale: float,
     gate: torch.Tensor | None = None,
-    chunk_cells: int = SPLIT_CELLS,
+    chunk_cells: int | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: `decode_attention_reference` with each row's cells split in fixed chunks of
     `chunk_cells` (one program per (row, K/V head, chunk); chunks past a row's position do nothing), merged in
     chunk order by the chunk that finishes last (one launch). A row within the first chunk gets bitwise what
     `decode_attention_triton` gives. `chunk_cells` must be a constant (a multiple of 64), never derived from the
-    number of rows. `gate` as in `decode_attention_triton`. Returns [R, H, D] in q's dtype."""
+    number of rows; None: SPLIT_CELLS, what decode windows use. `gate` as in `decode_attention_triton`. Returns
+    [R, H, D] in q's dtype."""
     r, h, d, hkv = _check_decode(q, k_pool, v_pool)
     out = torch.empty_like(q)  # [R, H, D]
     if r == 0:
         return out
     assert gate is None or (gate.shape == q.shape and gate.stride(-1) == 1), "gate: [R, H, D], unit last stride"
     block_g, block_d, block_n = _decode_blocks(d, h // hkv)
+    chunk_cells = SPLIT_CELLS if chunk_cells is None else chunk_cells  # read at the call: tests lower it
     assert chunk_cells % 64 == 0, chunk_cells
     n_chunks = triton.cdiv(k_pool.shape[1], chunk_cells)
     acc_part = torch.empty(r, h, n_chunks, d, device=q.device, dtype=torch.float32)  # [R, H, C, D]
@@ -297,15 +299,6 @@ def decode_attention_split_triton(
         num_warps=4, **pdl(q)
     )
     return out
-
-
-def decode_attention_for_pool(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
-    scale: float, gate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decode window's attention: `decode_attention_split_triton` in SPLIT_CELLS chunks, whatever the pool's size
-    (a row within the first chunk is one program, merged by no one)."""
-    return decode_attention_split_triton(q, k_pool, v_pool, seq_ids, positions, scale, gate, chunk_cells=SPLIT_CELLS)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from strata.experts.block import pooled_moe
 from strata.experts.pool import ExpertPool
-from strata.kernels.attention import decode_attention_for_pool
+from strata.kernels.attention import decode_attention_split_triton
 from strata.kernels.elementwise import silu_mul_triton
 from strata.kernels.gdn import gdn_decode_triton
 from strata.kernels.deferred import finish
@@ -75,8 +75,9 @@ class TritonDecode:
         # q/k norms, rotary, and each row's k and v into its own cell: one launch
         q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
                            a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
-        # the output gate (Qwen3-Next) is applied as the heads are stored; long pools split each row's cells
-        out = decode_attention_for_pool(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale, gate).reshape(r, -1)
+        # each row's cells in fixed chunks, merged in the launch; Qwen3-Next's output gate applied as heads are stored
+        out = decode_attention_split_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale,
+                                            gate).reshape(r, -1)
         return linear_split(out, w["o"])  # its chunks are added by the next norm
 
     def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
