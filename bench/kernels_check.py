@@ -155,17 +155,20 @@ def check_attention() -> None:
         qd = rand(r, h, d)
         seq = torch.randperm(10, device=DEV)[:r].int()
         pos = torch.randint(1, cells, (r,), device=DEV, dtype=torch.int32)
+
+        def decode_want(kp, vp, pos):  # each row alone over its own cells, in float32
+            return torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(),
+                                        vp[seq[j], : pos[j] + 1].float(), pos[j : j + 1].long(), d**-0.5)
+                              for j in range(r)])
+
         got = decode_attention_triton(qd, kp, vp, seq, pos, d**-0.5)
-        want = torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(), vp[seq[j], : pos[j] + 1].float(),
-                                    pos[j : j + 1].long(), d**-0.5) for j in range(r)])
-        report(f"decode_attention_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells", rel(got, want))
+        report(f"decode_attention_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells", rel(got, decode_want(kp, vp, pos)))
         # the decode windows' kernel: cells in chunks, merged in the launch by the last chunk to finish (atomics)
         cells = 5000
         kp, vp = rand(10, cells, hkv, d), rand(10, cells, hkv, d)
         pos = torch.tensor([0, 511, 512, 1500, 2600, 3999, 4500, 4999], device=DEV, dtype=torch.int32)
         got = decode_attention_split_triton(qd, kp, vp, seq, pos, d**-0.5)
-        want = torch.cat([attention(qd[j : j + 1].float(), kp[seq[j], : pos[j] + 1].float(), vp[seq[j], : pos[j] + 1].float(),
-                                    pos[j : j + 1].long(), d**-0.5) for j in range(r)])
+        want = decode_want(kp, vp, pos)
         again = [decode_attention_split_triton(qd, kp, vp, seq, pos, d**-0.5) for _ in range(20)]
         alike = all(torch.equal(a, got) for a in again)
         report(f"decode_attention_split_triton R={r} H={h} Hkv={hkv} D={d} up to {cells} cells "
