@@ -144,13 +144,17 @@ def cases():
             plain=("H", "HKV", "HALF"), num_warps=rmsnorm.norm_warps(d))))
         block_g, block_d, block_n = attention._decode_blocks(d, h // hkv)
         gate = d == 256  # Qwen3-Next's heads carry the output gate
-        for split in (False, True):  # the split: every decode window's (chunks merged by the last to finish)
-            out.append((f"_decode_kernel D={d}{' gated' if gate else ''}{' split' if split else ''}",
+        # one program per head, then the split (every decode window's: chunks merged by the last to finish) for
+        # pools of 4,096, 8,192 and 262,144 cells (the merge's loads of the chunks' maxima: 8, 16 and 64 a load)
+        for cells in (None, 4096, 8192, 262144):
+            split = cells is not None
+            n_chunks = cells // attention.SPLIT_CELLS if split else 1
+            out.append((f"_decode_kernel D={d}{' gated' if gate else ''}{f' split, {cells} cells' if split else ''}",
                         attention._decode_kernel, dict(
                 constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
                                 CHUNK_CELLS=attention.SPLIT_CELLS if split else block_n,
-                                BLOCK_C=8192 // attention.SPLIT_CELLS if split else 1,
-                                MERGE=attention._merge_chunks(block_d, 8192 // attention.SPLIT_CELLS) if split else 1,
+                                BLOCK_C=min(n_chunks, 64) if split else 1,
+                                MERGE=attention._merge_chunks(block_d, n_chunks) if split else 1,
                                 DOT_PRECISION="tf32",
                                 GATE=gate, **pdl),
                 pointers={p: "bf16" for p in ("q", "k_pool", "v_pool", "out", "gate")} | dict(

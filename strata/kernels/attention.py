@@ -156,31 +156,35 @@ def _decode_kernel(
             finish = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_used - 1
             if finish:
                 tl.store(p_count, 0)  # ready for the next launch
-                # the largest of the chunks' maxima, BLOCK_C chunks a load
+                # the largest of the chunks' maxima, BLOCK_C chunks a load, reduced over the chunks once after
+                # the loop (a reduction inside it fails triton 3.6's OptimizeThreadLocality pass at BLOCK_C 16)
                 o_cc = tl.arange(0, BLOCK_C)
-                p_m = m_part + i_r * s_mr + heads[:, None] * s_mh  # [BLOCK_G, 1]
-                b_top = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+                o_ml = i_r * s_mr + heads[:, None] * s_mh  # [BLOCK_G, 1]: the row's heads in m_part and l_part
+                b_tops = tl.full([BLOCK_G, BLOCK_C], -1.0e30, dtype=tl.float32)
                 for c0 in range(0, n_used, BLOCK_C):
                     m_gc = mask_g[:, None] & (c0 + o_cc < n_used)[None, :]
-                    b_m = tl.load(p_m + (c0 + o_cc)[None, :] * s_mc, mask=m_gc, other=-1.0e30, cache_modifier=".cg")
-                    b_top = tl.maximum(b_top, tl.max(b_m, 1))
-                # each chunk weighted by exp2(its max - the largest), its sum and partial added in chunk order,
-                # MERGE chunks' loads issued together
+                    b_tops = tl.maximum(b_tops, tl.load(m_part + o_ml + (c0 + o_cc)[None, :] * s_mc, mask=m_gc,
+                                                        other=-1.0e30, cache_modifier=".cg"))
+                b_top = tl.max(b_tops, 1)  # [BLOCK_G]
+                # each chunk weighted by exp2(its max - the largest); MERGE chunks' maxima, sums and partials
+                # loaded together, their weights a [BLOCK_G, MERGE] tile, the partials added in chunk order (the
+                # weighted sums kept as a tile too, reduced after the loop)
+                o_cm = tl.arange(0, MERGE)
                 p_a = acc_part + i_r * s_ar + heads[:, None] * s_ah + offs_d[None, :] * s_ad  # [BLOCK_G, BLOCK_D]
-                p_ml = i_r * s_mr + heads * s_mh  # [BLOCK_G]
-                l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+                b_ls = tl.zeros([BLOCK_G, MERGE], dtype=tl.float32)
                 acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
                 for c0 in range(0, n_used, MERGE):
+                    m_gm = mask_g[:, None] & (c0 + o_cm < n_used)[None, :]
+                    o_gm = o_ml + (c0 + o_cm)[None, :] * s_mc  # [BLOCK_G, MERGE]
+                    b_mm = tl.load(m_part + o_gm, mask=m_gm, other=-1.0e30, cache_modifier=".cg")
+                    b_lm = tl.load(l_part + o_gm, mask=m_gm, other=0.0, cache_modifier=".cg")
+                    b_w = tl.exp2(b_mm - b_top[:, None])  # [BLOCK_G, MERGE]
+                    b_ls += b_lm * b_w
                     for j in tl.static_range(MERGE):
-                        ok = c0 + j < n_used
-                        b_mc = tl.load(m_part + p_ml + (c0 + j) * s_mc, mask=mask_g & ok, other=-1.0e30,
-                                       cache_modifier=".cg")
-                        b_lc = tl.load(l_part + p_ml + (c0 + j) * s_mc, mask=mask_g & ok, other=0.0,
-                                       cache_modifier=".cg")
-                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & ok, other=0.0, cache_modifier=".cg")
-                        b_w = tl.exp2(b_mc - b_top)  # [BLOCK_G]
-                        l_i += b_lc * b_w
-                        acc += b_a * b_w[:, None]
+                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
+                                      cache_modifier=".cg")
+                        acc += b_a * tl.sum(tl.where(o_cm[None, :] == j, b_w, 0.0), 1)[:, None]
+                l_i = tl.sum(b_ls, 1)
         if finish:
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
             ty = out.dtype.element_ty
