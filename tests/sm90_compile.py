@@ -145,7 +145,7 @@ def cases():
         block_g, block_d, block_n = attention._decode_blocks(d, h // hkv)
         gate = d == 256  # Qwen3-Next's heads carry the output gate
         # one program per head, then the split (every decode window's: chunks merged by the last to finish) for
-        # pools of 4,096, 8,192 and 262,144 cells (the merge's loads of the chunks' maxima: 8, 16 and 64 a load)
+        # pools of 4,096, 8,192 and 262,144 cells (8 and 16 chunks merged from one tile, 512 a tile at a time)
         for cells in (None, 4096, 8192, 262144):
             split = cells is not None
             n_chunks = cells // attention.SPLIT_CELLS if split else 1
@@ -153,7 +153,8 @@ def cases():
                         attention._decode_kernel, dict(
                 constexprs=dict(G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
                                 CHUNK_CELLS=attention.SPLIT_CELLS if split else block_n,
-                                BLOCK_C=min(n_chunks, 64) if split else 1,
+                                BLOCK_C=min(n_chunks, attention.ONE_TILE_CHUNKS) if split else 1,
+                                ONE_TILE=n_chunks <= attention.ONE_TILE_CHUNKS,
                                 MERGE=attention._merge_chunks(block_d, n_chunks) if split else 1,
                                 DOT_PRECISION="tf32",
                                 GATE=gate, **pdl),
@@ -183,11 +184,15 @@ def cases():
         constexprs=dict(BLOCK=32, **pdl), pointers=dict(p_neg_a=f32, p_dt_bias=f32, p_decay=f32), plain=("HV",))))
     out.append(("_sigmoid_gate_add_kernel", elementwise._sigmoid_gate_add_kernel, dict(
         constexprs=dict(BLOCK=1024, **pdl))))
-    # the sampler's pick over a 151,936-token vocabulary (after each sampled decode step), as pick_triton launches it
+    # the sampler's pick over a 151,936-token vocabulary (after each sampled decode step), as pick_triton launches it:
+    # the blocks' totals, then the pick
+    out.append(("_block_sums_kernel", sampling._block_sums_kernel, dict(
+        constexprs=dict(BLOCK=sampling.BLOCK), pointers=dict(p_probs=f32, p_top_k="i64", p_min_p=f32, p_sums=f32,
+                                                            p_counts="i32"), plain=("V",), num_warps=8)))
     out.append(("_pick_kernel", sampling._pick_kernel, dict(
         constexprs=dict(BLOCK=sampling.BLOCK, MAX_BLOCKS=triton.next_power_of_2(triton.cdiv(151936, sampling.BLOCK))),
-        pointers=dict(p_probs=f32, p_top_k="i64", p_top_p=f32, p_min_p=f32, p_seed="i64", p_pos="i64",
-                      p_pick="i64"), plain=("V",), num_warps=8)))
+        pointers=dict(p_probs=f32, p_sums=f32, p_counts="i32", p_top_k="i64", p_top_p=f32, p_min_p=f32,
+                      p_seed="i64", p_pos="i64", p_pick="i64"), plain=("V", "NB"), num_warps=8)))
     decode = len(out)
     for h, d, rot in [(32, 128, 128), (16, 256, 64)]:  # prompt windows rotate q and k with it (Forward.rotate)
         out.append((f"_rope_kernel D={d} rotary {rot}", rope._rope_kernel, dict(

@@ -83,7 +83,8 @@ def _decode_kernel(
     s_mr, s_mh, s_mc,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, BLOCK_C: tl.constexpr, MERGE: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK_CELLS: tl.constexpr, BLOCK_C: tl.constexpr, ONE_TILE: tl.constexpr,
+    MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GATE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -93,8 +94,9 @@ def _decode_kernel(
     SPLIT: only the chunks holding the row's cells 0..position work. A row held by one chunk is finished by
     it as without SPLIT (the same bits). Otherwise each chunk stores its partial (acc, max, sum) and counts
     itself on the row's and head's arrival counter; the last to arrive merges the partials (each weighted by
-    exp2(its max - the largest), added in chunk order), finishes the row and sets the counter back to zero for
-    the next launch: no second launch.
+    exp2(its max - the largest), added in chunk order; ONE_TILE: the maxima and sums of all of them in one
+    [BLOCK_G, BLOCK_C] load, else BLOCK_C at a time), finishes the row and sets the counter back to zero for the
+    next launch: no second launch.
     GATE: each head's output times sigmoid(gate), with torch's roundings (`out * torch.sigmoid(gate)`)."""
     wait_for_prior(PDL)
     i_r = tl.program_id(0)
@@ -156,35 +158,50 @@ def _decode_kernel(
             finish = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_used - 1
             if finish:
                 tl.store(p_count, 0)  # ready for the next launch
-                # the largest of the chunks' maxima, BLOCK_C chunks a load, reduced over the chunks once after
-                # the loop (a reduction inside it fails triton 3.6's OptimizeThreadLocality pass at BLOCK_C 16)
                 o_cc = tl.arange(0, BLOCK_C)
                 o_ml = i_r * s_mr + heads[:, None] * s_mh  # [BLOCK_G, 1]: the row's heads in m_part and l_part
-                b_tops = tl.full([BLOCK_G, BLOCK_C], -1.0e30, dtype=tl.float32)
-                for c0 in range(0, n_used, BLOCK_C):
-                    m_gc = mask_g[:, None] & (c0 + o_cc < n_used)[None, :]
-                    b_tops = tl.maximum(b_tops, tl.load(m_part + o_ml + (c0 + o_cc)[None, :] * s_mc, mask=m_gc,
-                                                        other=-1.0e30, cache_modifier=".cg"))
-                b_top = tl.max(b_tops, 1)  # [BLOCK_G]
-                # each chunk weighted by exp2(its max - the largest); MERGE chunks' maxima, sums and partials
-                # loaded together, their weights a [BLOCK_G, MERGE] tile, the partials added in chunk order (the
-                # weighted sums kept as a tile too, reduced after the loop)
-                o_cm = tl.arange(0, MERGE)
                 p_a = acc_part + i_r * s_ar + heads[:, None] * s_ah + offs_d[None, :] * s_ad  # [BLOCK_G, BLOCK_D]
-                b_ls = tl.zeros([BLOCK_G, MERGE], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for c0 in range(0, n_used, MERGE):
-                    m_gm = mask_g[:, None] & (c0 + o_cm < n_used)[None, :]
-                    o_gm = o_ml + (c0 + o_cm)[None, :] * s_mc  # [BLOCK_G, MERGE]
-                    b_mm = tl.load(m_part + o_gm, mask=m_gm, other=-1.0e30, cache_modifier=".cg")
-                    b_lm = tl.load(l_part + o_gm, mask=m_gm, other=0.0, cache_modifier=".cg")
-                    b_w = tl.exp2(b_mm - b_top[:, None])  # [BLOCK_G, MERGE]
-                    b_ls += b_lm * b_w
-                    for j in tl.static_range(MERGE):
-                        b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
-                                      cache_modifier=".cg")
-                        acc += b_a * tl.sum(tl.where(o_cm[None, :] == j, b_w, 0.0), 1)[:, None]
-                l_i = tl.sum(b_ls, 1)
+                if ONE_TILE:  # every chunk's max and sum in one [BLOCK_G, BLOCK_C] load, the weights from that tile
+                    m_gc = mask_g[:, None] & (o_cc < n_used)[None, :]
+                    o_gc = o_ml + o_cc[None, :] * s_mc  # [BLOCK_G, BLOCK_C]
+                    b_m = tl.load(m_part + o_gc, mask=m_gc, other=-1.0e30, cache_modifier=".cg")
+                    b_l = tl.load(l_part + o_gc, mask=m_gc, other=0.0, cache_modifier=".cg")
+                    b_w = tl.exp2(b_m - tl.max(b_m, 1)[:, None])  # [BLOCK_G, BLOCK_C]
+                    l_i = tl.sum(b_l * b_w, 1)
+                    # the weighted partials added in chunk order, MERGE chunks' loads issued together
+                    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                    for c0 in range(0, n_used, MERGE):
+                        for j in tl.static_range(MERGE):
+                            b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
+                                          cache_modifier=".cg")
+                            acc += b_a * tl.sum(tl.where(o_cc[None, :] == c0 + j, b_w, 0.0), 1)[:, None]
+                else:  # more chunks than one tile holds: the same merge, the tile's work made linear in the chunks
+                    # the largest of the chunks' maxima, BLOCK_C chunks a load, reduced over the chunks once after
+                    # the loop (a reduction inside it fails triton 3.6's OptimizeThreadLocality pass at BLOCK_C 16)
+                    b_tops = tl.full([BLOCK_G, BLOCK_C], -1.0e30, dtype=tl.float32)
+                    for c0 in range(0, n_used, BLOCK_C):
+                        m_gc = mask_g[:, None] & (c0 + o_cc < n_used)[None, :]
+                        b_tops = tl.maximum(b_tops, tl.load(m_part + o_ml + (c0 + o_cc)[None, :] * s_mc, mask=m_gc,
+                                                            other=-1.0e30, cache_modifier=".cg"))
+                    b_top = tl.max(b_tops, 1)  # [BLOCK_G]
+                    # each chunk weighted by exp2(its max - the largest); MERGE chunks' maxima, sums and partials
+                    # loaded together, their weights a [BLOCK_G, MERGE] tile, the partials added in chunk order (the
+                    # weighted sums kept as a tile too, reduced after the loop)
+                    o_cm = tl.arange(0, MERGE)
+                    b_ls = tl.zeros([BLOCK_G, MERGE], dtype=tl.float32)
+                    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                    for c0 in range(0, n_used, MERGE):
+                        m_gm = mask_g[:, None] & (c0 + o_cm < n_used)[None, :]
+                        o_gm = o_ml + (c0 + o_cm)[None, :] * s_mc  # [BLOCK_G, MERGE]
+                        b_mm = tl.load(m_part + o_gm, mask=m_gm, other=-1.0e30, cache_modifier=".cg")
+                        b_lm = tl.load(l_part + o_gm, mask=m_gm, other=0.0, cache_modifier=".cg")
+                        b_w = tl.exp2(b_mm - b_top[:, None])  # [BLOCK_G, MERGE]
+                        b_ls += b_lm * b_w
+                        for j in tl.static_range(MERGE):
+                            b_a = tl.load(p_a + (c0 + j) * s_ac, mask=mask_o & (c0 + j < n_used), other=0.0,
+                                          cache_modifier=".cg")
+                            acc += b_a * tl.sum(tl.where(o_cm[None, :] == j, b_w, 0.0), 1)[:, None]
+                    l_i = tl.sum(b_ls, 1)
         if finish:
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a row with position < 0 gives zeros
             ty = out.dtype.element_ty
@@ -232,7 +249,7 @@ def decode_attention_triton(
         *(gate.stride()[:2] if gate is not None else (0, 0)),
         0, 0, 0, 0, 0, 0, 0,
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=False, CHUNK_CELLS=block_n, BLOCK_C=1, MERGE=1, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=False, CHUNK_CELLS=block_n, BLOCK_C=1, ONE_TILE=True, MERGE=1, DOT_PRECISION=_dot_precision(q.dtype),
         GATE=gate is not None,
         num_warps=4, **pdl(q)
     )
@@ -240,6 +257,12 @@ def decode_attention_triton(
 
 
 MERGE_CHUNKS = 8  # chunk partials the merge loads at a time for heads up to 128 wide (half as many for wider heads)
+# Pools of up to this many chunks (32,768 cells) merge from one [heads, chunks] tile of the chunks' maxima and sums,
+# each chunk's weight picked out of it (work growing with the square of the chunks: past 256 registers spill).
+# Larger pools take the largest max in a first pass, then MERGE chunks' tiles at a time: linear, but slower where
+# both run (H200, 30B shape, 8,000 cells = 16 chunks: 304.7 against 310.5 tok/s at 1 row). An online softmax over
+# the chunks (the running max raised MERGE chunks at a time, no first pass) was slower still: 298.2.
+ONE_TILE_CHUNKS = 64
 
 
 def _merge_chunks(block_d: int, n_chunks: int) -> int:
@@ -297,7 +320,8 @@ def decode_attention_split_triton(
         *(gate.stride()[:2] if gate is not None else (0, 0)),
         *acc_part.stride(), *m_part.stride(),
         G=h // hkv, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=True, CHUNK_CELLS=chunk_cells, BLOCK_C=min(triton.next_power_of_2(n_chunks), 64),
+        SPLIT=True, CHUNK_CELLS=chunk_cells, BLOCK_C=min(triton.next_power_of_2(n_chunks), ONE_TILE_CHUNKS),
+        ONE_TILE=n_chunks <= ONE_TILE_CHUNKS,
         MERGE=_merge_chunks(block_d, n_chunks),
         DOT_PRECISION=_dot_precision(q.dtype), GATE=gate is not None,
         num_warps=4, **pdl(q)

@@ -7,16 +7,17 @@ with torch ops: about a hundred small launches there, none here).
 torch.cumsum over one long row runs on the GPU as a scan whose float additions have no fixed order: two calls on
 the same 151,936 probabilities differed by up to 1e-7 relative on the H200, and a uniform number that fell that
 close to a boundary between two tokens picked one or the other from one run to the next (seen with seeded
-requests). Here one program sums one row in a fixed order: its total lane by lane, then its running sums block
-after block (each block scanned on its own, then the carry added) until the kept prefix ends, and once more the
-one block where they pass the row's target — so the same probabilities always give the same pick, whatever
-other rows share the call. Every rule is a ratio of the row's values, so `sample` gives it the softmax's
-numerators exp((x - x_max) / T) and no softmax runs at all.
+requests). Here the sums have a fixed order: each 4,096-rank block's total (`_block_sums_kernel`, one program a
+block, the block scanned on its own), then one program a row that adds the totals by a scan, decides whole blocks
+from them and scans rank by rank only the blocks where the top-p limit, the last kept rank and the row's target
+fall (each from its carry: the same sums whichever scan reads them) — so the same probabilities always give the
+same pick, whatever other rows share the call. Every rule is a ratio of the row's values, so `sample` gives it
+the softmax's numerators exp((x - x_max) / T) and no softmax runs at all.
 
-On the H200 (`bench/kernels_check.py`, tenth session): a pick over 151,936 probabilities takes 48 us at top-p 0.9
-and 70 us when every rank is kept (59 and 117 when the kept blocks were scanned twice); a `sample` call of one
-row spends 102 us of GPU time on random logits (the sort 42 of it) and 76 on logits eight times as peaked,
-against 177 and 129 with the softmax and the two scans.
+On the H200 (twelfth session: GPU time of 20 calls replayed as a CUDA graph; the A/B in docs/PERFORMANCE.md): a
+pick over 151,936 probabilities takes 8.2 us at top-p 0.9 and 8.4 us when every rank is kept (one program a row
+walking the blocks in turn: 15.7 and 67.2 us); at 64 rows 24.2 and 24.6 (16.7 and 68.0). Sampled decode of the
+30B shape: +1.3 % tok/s at 1 row, +0.5 % at 8. The sort before the pick takes about 42 us a row.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # probabilities per step of a row's program
+BLOCK = 4096  # probabilities a block (one program of `_block_sums_kernel`, one step of a row's scans)
 M32 = tl.constexpr(0xFFFFFFFF)  # a global a jit function reads must be a constexpr
 
 
@@ -82,15 +83,33 @@ def _running_sum(row, o, n, carry):
 
 
 @triton.jit
-def _pick_kernel(p_probs, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, s_r, s_k, s_p, s_mp, s_seed, s_pos,
-                 BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr):
+def _block_sums_kernel(p_probs, p_top_k, p_min_p, p_sums, p_counts, V, s_r, s_k, s_mp, s_sr,
+                       BLOCK: tl.constexpr):
+    """Program (row, block): the block's total (the last of its running sums, as `_running_sum` makes them) and
+    how many of its ranks top_k and min-p keep. Ranks past top_k weigh 0 here."""
+    r = tl.program_id(0)
+    i_b = tl.program_id(1)
+    row = p_probs + r.to(tl.int64) * s_r
+    n = tl.minimum(tl.load(p_top_k + r * s_k), V)
+    floor = tl.load(p_min_p + r * s_mp) * tl.load(row)
+    o = i_b * BLOCK + tl.arange(0, BLOCK)
+    b, _, total = _running_sum(row, o, n, 0.0)
+    tl.store(p_sums + r * s_sr + i_b, total)
+    tl.store(p_counts + r * s_sr + i_b, tl.sum(((o < n) & (b >= floor)).to(tl.int32), 0))
+
+
+@triton.jit
+def _pick_kernel(p_probs, p_sums, p_counts, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, NB, s_r, s_sr,
+                 s_k, s_p, s_mp, s_seed, s_pos, BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr):
     """One row: probs sorted in descending order (or any positive multiple of them: every rule below is a ratio).
     Kept: rank < top_k, mass before the token < top_p of what top_k keeps, and p >= min_p * the largest p (each
-    keeps a prefix). Picked: the first kept rank whose running sum exceeds u = philox_uniform(seed, position) times
-    the kept mass (the last kept rank if rounding leaves none). The kept prefix ends where the mass before a block
-    reaches the top-p limit; the running sums are made once, block after block, and only the block where they
-    pass the target is scanned again (from the same carry: the same sums). Counts and maxima gather lane by lane
-    across the blocks and are reduced once at the end (integers and maxima: in any order alike)."""
+    keeps a prefix, so the kept count is the least of the three). Picked: the first kept rank whose running sum
+    exceeds u = philox_uniform(seed, position) times the kept mass (the last kept rank if rounding leaves none).
+
+    A rank's running sum is its block's carry (the blocks' totals before it, `_block_sums_kernel`, added by one
+    scan) plus its running sum within the block. Whole blocks are decided from their totals; only the block where
+    the top-p limit is passed, the block of the last kept rank and the block where the running sums pass the
+    target are scanned rank by rank (each from its carry: the same sums whichever scan reads them)."""
     r = tl.program_id(0)
     row = p_probs + r.to(tl.int64) * s_r
     n = tl.minimum(tl.load(p_top_k + r * s_k), V)
@@ -98,30 +117,27 @@ def _pick_kernel(p_probs, p_top_k, p_top_p, p_min_p, p_seed, p_pos, p_pick, V, s
     floor = tl.load(p_min_p + r * s_mp) * tl.load(row)
     o_b = tl.arange(0, BLOCK)
     o_j = tl.arange(0, MAX_BLOCKS)
-    lanes = tl.zeros([BLOCK], dtype=tl.float32)  # what top_k keeps, lane by lane
-    for b0 in range(0, n, BLOCK):
-        lanes += tl.load(row + b0 + o_b, mask=b0 + o_b < n, other=0.0)
-    limit = top_p * tl.sum(lanes, 0)
-    carry = 0.0
-    count = tl.zeros([BLOCK], dtype=tl.int32)  # kept ranks (a prefix), lane by lane
-    kept = tl.zeros([BLOCK], dtype=tl.float32)  # the largest running sum of a kept rank: the kept mass
-    ends = tl.full([MAX_BLOCKS], float("inf"), tl.float32)  # the running sum after each block scanned
-    b0 = 0
-    while (b0 < n) & (carry < limit):  # past that point no rank is kept
-        b, c, carry = _running_sum(row, b0 + o_b, n, carry)
-        ok = (b0 + o_b < n) & (c - b < limit) & (b >= floor)
-        count += ok.to(tl.int32)
-        kept = tl.maximum(kept, tl.where(ok, c, 0.0))
-        ends = tl.where(o_j == b0 // BLOCK, carry, ends)
-        b0 += BLOCK
-    n_kept = tl.sum(count, 0)
-    target = philox_uniform(tl.load(p_seed + r * s_seed), tl.load(p_pos + r * s_pos)) * tl.max(kept, 0)
+    m_j = o_j < NB
+    sums = tl.load(p_sums + r * s_sr + o_j, mask=m_j, other=0.0)  # [MAX_BLOCKS] each block's total
+    ends = tl.cumsum(sums, 0)  # the running sum after each block
+    carries = ends - sums
+    limit = top_p * tl.max(ends, 0)
+    n_floor = tl.sum(tl.load(p_counts + r * s_sr + o_j, mask=m_j, other=0), 0)
+    # top-p: blocks ending below the limit are kept whole; the next one is counted rank by rank
+    j_p = tl.sum((m_j & (ends < limit)).to(tl.int32), 0)
+    b, c, _ = _running_sum(row, j_p * BLOCK + o_b, n, tl.sum(tl.where(o_j == j_p, carries, 0.0), 0))
+    n_top_p = j_p * BLOCK + tl.sum(((j_p * BLOCK + o_b < n) & (c - b < limit)).to(tl.int32), 0)
+    n_kept = tl.minimum(tl.minimum(n, n_floor), n_top_p)
+    # the kept mass: the running sum of the last kept rank
+    j_k = tl.maximum(n_kept - 1, 0) // BLOCK
+    _, c, _ = _running_sum(row, j_k * BLOCK + o_b, n, tl.sum(tl.where(o_j == j_k, carries, 0.0), 0))
+    kept = tl.max(tl.where(j_k * BLOCK + o_b < n_kept, c, 0.0), 0)
+    target = philox_uniform(tl.load(p_seed + r * s_seed), tl.load(p_pos + r * s_pos)) * kept
     # Running sums never fall, so every rank of the blocks that end at or below the target is at or below it, and
     # every rank after the first block that ends above it is above it: only that block is counted rank by rank.
-    j = tl.sum((ends <= target).to(tl.int32), 0)
-    b, c, _ = _running_sum(row, j * BLOCK + o_b, n, tl.max(tl.where(o_j < j, ends, 0.0), 0))
-    ok = (j * BLOCK + o_b < n) & (c - b < limit) & (b >= floor)
-    below = j * BLOCK + tl.sum((ok & (c <= target)).to(tl.int32), 0)  # kept ranks whose running sum is <= target
+    j = tl.sum((m_j & (ends <= target)).to(tl.int32), 0)
+    _, c, _ = _running_sum(row, j * BLOCK + o_b, n, tl.sum(tl.where(o_j == j, carries, 0.0), 0))
+    below = j * BLOCK + tl.sum(((j * BLOCK + o_b < n_kept) & (c <= target)).to(tl.int32), 0)
     tl.store(p_pick + r, tl.maximum(tl.minimum(below, n_kept - 1), 0).to(tl.int64))  # 0: NaN logits
 
 
@@ -135,7 +151,13 @@ def pick_triton(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
     assert probs.dtype == torch.float32 and probs.stride(1) == 1, "probs must be float32 with contiguous rows"
     pick = torch.empty(R, dtype=torch.int64, device=probs.device)
     if R:
+        nb = triton.cdiv(V, BLOCK)
+        max_blocks = triton.next_power_of_2(nb)
+        sums = torch.empty(R, max_blocks, dtype=torch.float32, device=probs.device)  # [R, blocks]
+        counts = torch.empty(R, max_blocks, dtype=torch.int32, device=probs.device)  # [R, blocks]
+        _block_sums_kernel[(R, nb)](probs, top_k, min_p, sums, counts, V, probs.stride(0), top_k.stride(0),
+                                    min_p.stride(0), sums.stride(0), BLOCK=BLOCK, num_warps=8)
         per_row = (top_k, top_p, min_p, seed, position)
-        _pick_kernel[(R,)](probs, *per_row, pick, V, probs.stride(0), *(t.stride(0) for t in per_row), BLOCK=BLOCK,
-                           MAX_BLOCKS=triton.next_power_of_2(triton.cdiv(V, BLOCK)), num_warps=8)
+        _pick_kernel[(R,)](probs, sums, counts, *per_row, pick, V, nb, probs.stride(0), sums.stride(0),
+                           *(t.stride(0) for t in per_row), BLOCK=BLOCK, MAX_BLOCKS=max_blocks, num_warps=8)
     return pick
