@@ -256,7 +256,8 @@ def check_sampling() -> None:
             fn(n)  # compiled and warmed first
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if name.startswith("pick"):
+            graphed = name.startswith("pick")
+            if graphed:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for _ in range(20):
@@ -269,7 +270,7 @@ def check_sampling() -> None:
                     fn(n)
             end.record()
             torch.cuda.synchronize()
-            how = "GPU time, graph replay" if name.startswith("pick") else "eager, host included"
+            how = "GPU time, graph replay" if graphed else "eager, host included"
             print(f"{name}, {n} row(s): {start.elapsed_time(end) / 20 * 1e3:.1f} us a call ({how})")
 
 
