@@ -54,37 +54,25 @@ def _barrier(p_bar, target):
 
 
 @triton.jit
-def _product(w_desc, p_x, p_y, N, K, BN: tl.constexpr, BK: tl.constexpr, WS: tl.constexpr):
-    o_m = tl.arange(0, 16)
-    o_k = tl.arange(0, BK)
-    for t in tl.range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0), flatten=True, warp_specialize=WS):
-        acc = tl.zeros([16, BN], dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BK)):
-            b_w = w_desc.load([t * BN, kk * BK])
-            b_x = tl.load(p_x + o_m[:, None] * K + (kk * BK + o_k)[None, :], mask=(o_m < 1)[:, None], other=0.0)
-            acc = tl.dot(b_x, b_w.T, acc)
-        tl.store(p_y + o_m[:, None] * N + (t * BN + tl.arange(0, BN))[None, :], acc, mask=(o_m < 1)[:, None])
-
-
-@triton.jit
 def _layer(d_qkv, d_o, d_r, d_gu, d_dn, p_x, p_y, p_bar, BN: tl.constexpr, BK: tl.constexpr, WS: tl.constexpr,
            BARRIERS: tl.constexpr):
     """A 30B layer's products at 1 row (qkv, o, router, 8 experts' gate_up and down: 113 MB) in one persistent
-    launch, each product's panels walked in turn, optionally with a grid barrier between products."""
+    launch, each product's panels walked in turn (`_gemv`'s loop, flattened), optionally with a grid barrier
+    between products."""
     n_p = tl.num_programs(0)
-    _product(d_qkv, p_x, p_y, 5120, 2048, BN, BK, WS)
+    _gemv(d_qkv, p_x, p_y, 5120, 2048, BN, BK, WS, True)
     if BARRIERS:
         _barrier(p_bar, n_p * 1)
-    _product(d_o, p_x, p_y, 2048, 4096, BN, BK, WS)
+    _gemv(d_o, p_x, p_y, 2048, 4096, BN, BK, WS, True)
     if BARRIERS:
         _barrier(p_bar, n_p * 2)
-    _product(d_r, p_x, p_y, 128, 2048, BN, BK, WS)
+    _gemv(d_r, p_x, p_y, 128, 2048, BN, BK, WS, True)
     if BARRIERS:
         _barrier(p_bar, n_p * 3)
-    _product(d_gu, p_x, p_y, 12288, 2048, BN, BK, WS)
+    _gemv(d_gu, p_x, p_y, 12288, 2048, BN, BK, WS, True)
     if BARRIERS:
         _barrier(p_bar, n_p * 4)
-    _product(d_dn, p_x, p_y, 16384, 768, BN, BK, WS)
+    _gemv(d_dn, p_x, p_y, 16384, 768, BN, BK, WS, True)
 
 
 def timeit(f, args, launches=24, before=None):
