@@ -47,7 +47,7 @@ def build_engine(model: str, settings: dict[str, Any]):
     if missing:
         raise Unmeasurable(f"this build's engine takes no {', '.join('--' + k.replace('_', '-') for k in missing)}")
     return Engine(ModelFiles.open(model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                  prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs, **extra)
+                  max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs, **extra)
 
 
 def calibrate(model: str, proposals: list[Proposal], concurrency: int, windows: int = 8, prompt_len: int = 16,
@@ -97,14 +97,6 @@ def _measure(engine, settings: dict, concurrency: int, windows: int, prompt_len:
     prompt = lambda seed: [1 + (seed * 7919 + i * 104729) % (vocab - 1) for i in range(prompt_len)]  # noqa: E731
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     batch = settings["batch"]
-    if batch == 0:
-        steps = engine.stream(prompt(0), windows + 2, stop_ids=frozenset())
-        next(steps), next(steps)  # the prompt's token, then one step to warm up
-        sync()
-        start = time.perf_counter()
-        count = sum(1 for _ in steps)
-        sync()
-        return count / (time.perf_counter() - start), 1
     accepted = inspect.signature(engine.init_slots).parameters
     extra = {k: settings[k] for k in SLOT_KEYS if settings.get(k, 1) != 1}
     missing = [k for k in extra if k not in accepted]
@@ -114,7 +106,9 @@ def _measure(engine, settings: dict, concurrency: int, windows: int, prompt_len:
     active = min(concurrency, batch)
     for s in range(active):
         slots.admit(s, prompt(s), windows + 4, stop_ids=frozenset())
-    for _ in range(len(slots.groups)):  # warm up: every group's first window
+    while slots.reading:  # the prompts, read in the first windows
+        slots.step()
+    for _ in range(len(slots.groups)):  # warm up: every group's first decoding window
         slots.step()
     sync()
     start, rows = time.perf_counter(), 0

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 import strata
 from serve.config import ServeSettings
-from serve.engine_client import EngineClient, EngineDied, EngineRefused, Job, engine_argv
+from serve.engine_client import EngineClient, EngineDied, EngineFull, EngineRefused, Job, engine_argv
 from serve.metrics import Metrics, RequestRecord
 from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve.text import TextStream
@@ -33,13 +33,17 @@ DISCONNECT_POLL_S = 0.5
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+RETRY_AFTER_S = 1  # what a 429 (a full waiting line) asks the client to wait
 
 
 def served_name(settings: ServeSettings, files: ModelFiles) -> str:
@@ -152,13 +156,23 @@ def create_app(settings: ServeSettings) -> FastAPI:
         return EngineRequest(max_tokens or max_cells - len(ids), params, frozenset(body.stop_token_ids or []),
                              body.ignore_eos, ids)
 
-    def submit(body: SamplingFields, ids: list[int]) -> Job:
+    async def submit(body: SamplingFields, ids: list[int]) -> Job:
+        """Send the request to the engine and wait for it to be taken (it then waits for a slot or runs)."""
         request = engine_request(body, ids)
         record = RequestRecord(f"{uuid.uuid4().hex[:16]}", len(ids), request.max_new, time.monotonic())
         try:
-            return client.submit(request, record)
+            job = client.submit(request, record)
+            await client.accept(job)
         except EngineDied as e:
             raise APIError(503, str(e), kind="service_unavailable") from None
+        except EngineFull as e:
+            raise APIError(429, f"the server is busy: {e}", kind="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineRefused as e:
+            if e.code == "invalid":
+                raise APIError(400, str(e)) from None
+            raise APIError(500, str(e), kind="internal_server_error") from None
+        return job
 
     async def pieces(job: Job, stream: TextStream, http: Request) -> AsyncIterator[tuple[str, str | None]]:
         """(text, finish_reason) as tokens arrive; the job is stopped if the consumer goes away."""
@@ -252,7 +266,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             ids = tokenizer.encode_chat([m.as_template_message() for m in body.messages])
         except StrataError as e:
             raise APIError(400, str(e), param="messages") from None
-        return await respond(body, submit(body, ids), http, chat=True)
+        return await respond(body, await submit(body, ids), http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -264,6 +278,6 @@ def create_app(settings: ServeSettings) -> FastAPI:
             prompt = prompt[0]
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else ""
-        return await respond(body, submit(body, ids), http, chat=False, echo=echo)
+        return await respond(body, await submit(body, ids), http, chat=False, echo=echo)
 
     return app

@@ -1,26 +1,24 @@
-"""The server's side of the engine process: owns `strata engine`, admits requests, routes its events.
+"""The server's side of the engine process: owns `strata engine`, sends it requests by id, routes its events.
 
-Admission (with `--batch N`): a request alone takes the solo path (GEN, the fastest single stream when the
-engine reads each window before launching the next). When another arrives, the solo run is STOPped and, at its
-DONE, continues in a slot (BGEN ... resume=g with its prompt plus what it generated: the engine reuses its state,
-so the answer is unchanged) and the newcomer is admitted beside it. An engine that runs windows ahead of the
-host (its READY facts say `lookahead` 1, the GPU default) gets every request in a slot, a lone one too: a slot
-is then as fast alone and never has to move when a second request arrives. When every slot is busy, requests
-wait in FIFO order. Without `--batch`, requests queue FIFO for the solo path.
+Every request goes to the engine as soon as it arrives (`ADD <id> ...`): the engine owns the waiting line and
+decides admission, reading prompts inside the windows beside the decoding rows. The engine answers each `ADD`
+with `WAIT` (it waits for a slot), or `ERR <id> full` (the line is full: the HTTP layer answers 429) or
+`ERR <id> invalid ...` (400); then `RUN` when it gets a slot, `TOK` lines with its tokens, and one `END`.
 
-A request that is abandoned (client gone, stop string, consumer done) is stopped and its solo run or slot is
-freed only at its DONE / BDONE, so no token of the abandoned answer reaches the next request. All state
-changes happen in plain (non-async) methods on the event loop, so they never interleave.
+A request that is abandoned (client gone, stop string, consumer done) is aborted by id (`ABORT <id>`); the
+engine ends it at once, waiting or running, and answers its `END`. Ids are never reused, so no late token of
+an abandoned answer can reach another request. All state changes happen in plain (non-async) methods on the
+event loop, so they never interleave.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from serve.metrics import Metrics, RequestRecord
@@ -35,23 +33,28 @@ class EngineDied(RuntimeError):
 
 
 class EngineRefused(RuntimeError):
-    """The engine answered ERR to a request's command."""
+    """The engine answered ERR to a request (`code`: "invalid" or "internal")."""
+
+    def __init__(self, message: str, code: str = protocol.ERR_INVALID):
+        super().__init__(message)
+        self.code = code
+
+
+class EngineFull(RuntimeError):
+    """The engine's waiting line is full: try again later (HTTP 429)."""
 
 
 @dataclass
 class Job:
+    id: str
     request: Request
     record: RequestRecord
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then a final ("done", reason) / exception
     generated: list[int] = field(default_factory=list)
-    where: str = "waiting"  # waiting | solo | slot | done
-    slot: int | None = None
-    moving: bool = False  # STOPped on the solo path to continue in a slot
+    where: str = "sent"  # sent | waiting | running | done
     abandoned: bool = False
-    admitted: bool = False  # BADM 1 seen (or GEN's first token)
-    queried: int = 0  # prompt tokens of the GEN / BGEN sent for it: the prefix-cache lookup the engine answers
-    refusal: str | None = None  # the engine's ERR reason, when it refused the job
     final_reason: str | None = None  # what the metrics record when the server ended the job itself
+    accepted: asyncio.Future | None = None  # set at WAIT / RUN; an exception at ERR
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -61,10 +64,8 @@ class EngineClient:
         self.proc: asyncio.subprocess.Process | None = None
         self.facts: dict = {}
         self.ready = asyncio.Event()
-        self.waiting: deque[Job] = deque()
-        self.solo: Job | None = None
-        self.slots: list[Job | None] = [None] * num_slots
-        self._pending: deque[Job] = deque()  # GEN / BGEN sent, not yet acknowledged (an ERR belongs to the oldest)
+        self.jobs: dict[str, Job] = {}  # sent and not ended
+        self._ids = itertools.count(1)
         self._closing = False
         self._task: asyncio.Task | None = None
         self.restarts = 0
@@ -115,70 +116,30 @@ class EngineClient:
     # requests
 
     def submit(self, request: Request, record: RequestRecord) -> Job:
+        """Send the request to the engine; `accept` waits for its answer."""
         if not self.ready.is_set():
             raise EngineDied("the engine is not ready yet")
-        job = Job(request, record)
-        self.waiting.append(job)
+        job = Job(f"r{next(self._ids)}", request, record, accepted=asyncio.get_running_loop().create_future())
+        self._send(protocol.add(job.id, request))
+        self.jobs[job.id] = job
         self.metrics.queued(record)
-        self._schedule()
+        self._update_load()
         return job
 
+    async def accept(self, job: Job) -> None:
+        """Wait until the engine took the request (WAIT or RUN); raise EngineFull / EngineRefused / EngineDied."""
+        await job.accepted
+
     def abandon(self, job: Job, reason: str = "abort") -> None:
-        """The consumer stopped reading (`reason` "abort"), or a stop string ended the answer ("stop"): stop the
-        job's generation. Its solo run / slot is freed at its DONE / BDONE."""
+        """The consumer stopped reading (`reason` "abort"), or a stop string ended the answer ("stop"): abort the
+        request in the engine, which answers its END."""
         if job.where == "done" or job.abandoned:
             return
         job.abandoned, job.final_reason = True, reason
-        if job.where == "waiting":
-            self.waiting.remove(job)
-            self._finish(job, "abort")
-        elif job.where == "solo":
-            self._send("STOP")
-        elif job.where == "slot" and job.admitted:
-            self._send(f"BSTOP {job.slot}")
-        # a slot admission in flight is stopped when its BADM arrives
-
-    def _schedule(self) -> None:
-        if not self.ready.is_set():
-            return
-        if self.num_slots == 0:
-            if self.solo is None and self.waiting:
-                self._start_solo(self.waiting.popleft())
-            return
-        if self.solo is not None:
-            if self.waiting and not self.solo.moving and not self.solo.abandoned:
-                self.solo.moving = True  # continues in a slot at its DONE
-                self._send("STOP")
-            return
-        free = [i for i, j in enumerate(self.slots) if j is None]
-        if len(free) == self.num_slots and len(self.waiting) == 1 and not self.facts.get("lookahead"):
-            self._start_solo(self.waiting.popleft())  # alone: the fastest single stream (see the module's text)
-            return
-        while self.waiting and free:
-            self._admit(self.waiting.popleft(), free.pop(0))
-        self._update_load()
-
-    def _start_solo(self, job: Job) -> None:
-        job.where = "solo"
-        self.solo = job
-        self.metrics.scheduled(job.record, time.monotonic())
-        job.queried = len(job.request.ids)
-        self._pending.append(job)
-        self._send("GEN " + protocol.format_request(job.request))
-        self._update_load()
-
-    def _admit(self, job: Job, slot: int, resume: list[int] | None = None) -> None:
-        job.where, job.slot, job.admitted = "slot", slot, False
-        self.slots[slot] = job
-        request = job.request
-        if resume:
-            request = Request(request.max_new, request.params, request.stop_ids, request.ignore_eos,
-                              request.ids + resume, len(resume))
-        else:
-            self.metrics.scheduled(job.record, time.monotonic())
-        job.queried = len(request.ids)
-        self._pending.append(job)
-        self._send(f"BGEN {slot} " + protocol.format_request(request))
+        try:
+            self._send(f"ABORT {job.id}")
+        except EngineDied:
+            pass  # its end comes with the engine's
 
     # events
 
@@ -187,103 +148,105 @@ class EngineClient:
         if not words:
             return
         kind = words[0]
-        if kind == "READY":
+        if kind == "TOK":
+            now = time.monotonic()
+            for k in range(1, len(words) - 1, 2):
+                job = self.jobs.get(words[k])
+                if job is not None:
+                    self._token(job, int(words[k + 1]), now)
+            self._update_load()
+        elif kind == "WIN":
+            self.metrics.window(sum(int(w) for w in words[1:3]))
+        elif kind in ("WAIT", "RUN", "END", "ERR") and len(words) >= 2:
+            job = self.jobs.get(words[1])
+            if kind == "ERR" and job is None:
+                log.warning("engine: %s", line)
+            elif job is not None:
+                getattr(self, f"_on_{kind.lower()}")(job, words, line)
+        elif kind == "READY":
             self.facts = json.loads(line.split(" ", 1)[1])
             self.metrics.set_engine_facts(self.facts)
             self.metrics.set_parked(0, 0)  # a new engine process holds no parked conversation
             self.metrics.expert_pairs(0, 0)  # and counts its expert pairs from 0
             self.ready.set()
-            self._schedule()
-        elif kind == "T" and self.solo is not None:
-            self._ack(self.solo)
-            self._token(self.solo, int(words[1]))
-        elif kind == "DONE" and self.solo is not None:
-            self._ack(self.solo)
-            self.metrics.prefix_cache(self.solo.queried, _field(words, 4))
-            self._solo_done(self.solo, words[1])
-        elif kind == "BADM":
-            job = self.slots[int(words[1])]
-            if job is not None:
-                self._ack(job)
-                if words[2] == "1":
-                    job.admitted = True
-                    self.metrics.prefix_cache(job.queried, _field(words, 3))
-                    if job.abandoned:
-                        self._send(f"BSTOP {job.slot}")
-                else:
-                    self.slots[job.slot] = None
-                    self._finish(job, "error")
-                    self._schedule()
-        elif kind == "BT":
-            job = self.slots[int(words[1])]
-            if job is not None:
-                self._token(job, int(words[2]))
-        elif kind == "BDONE":
-            slot = int(words[1])
-            job = self.slots[slot]
-            self.slots[slot] = None
-            if job is not None:
-                self._finish(job, words[2])
-            self._schedule()
         elif kind == "PARKED":
             self.metrics.set_parked(_field(words, 1), _field(words, 2))
         elif kind == "EXPERTS":
             self.metrics.expert_pairs(_field(words, 1), _field(words, 2))
-        elif kind == "ERR":
-            log.warning("engine: %s", line)
-            job = self._pending.popleft() if self._pending else None
-            if job is not None and job.where == "solo":
-                self.solo = None
-                job.events.put_nowait(EngineRefused(line[4:]))
-                self._finish(job, "error")
-                self._schedule()
-            elif job is not None:
-                job.refusal = line[4:]  # BADM <slot> 0 follows and finishes it
 
-    def _ack(self, job: Job) -> None:
-        if job in self._pending:
-            self._pending.remove(job)
+    def _on_wait(self, job: Job, words: list[str], line: str) -> None:
+        job.where = "waiting"
+        _resolve(job.accepted)
 
-    def _token(self, job: Job, token: int) -> None:
+    def _on_run(self, job: Job, words: list[str], line: str) -> None:
+        job.where = "running"
+        _resolve(job.accepted)
+        self.metrics.scheduled(job.record, time.monotonic())
+        self.metrics.prefix_cache(len(job.request.ids), _field(words, 2))
+        self._update_load()
+
+    def _on_end(self, job: Job, words: list[str], line: str) -> None:
+        _resolve(job.accepted)
+        self._finish(job, words[2] if len(words) > 2 else "error")
+
+    def _on_err(self, job: Job, words: list[str], line: str) -> None:
+        code = words[2] if len(words) > 2 else protocol.ERR_INTERNAL
+        message = line.split(" ", 3)[3] if len(words) > 3 else line
+        log.warning("engine: %s", line)
+        error = EngineFull(message) if code == protocol.ERR_FULL else EngineRefused(message, code)
+        if job.accepted is not None and not job.accepted.done():
+            job.accepted.set_exception(error)
+            job.accepted.exception()  # retrieved: an unawaited future logs nothing
+        self.jobs.pop(job.id, None)
+        if code == protocol.ERR_FULL:
+            job.where = "done"
+            self.metrics.rejected(job.record)
+            job.events.put_nowait(error)
+            job.finished.set()
+        else:
+            job.events.put_nowait(error)
+            self._finish(job, "error")
+        self._update_load()
+
+    def _token(self, job: Job, token: int, now: float) -> None:
         job.generated.append(token)
-        self.metrics.token(job.record, time.monotonic())
+        self.metrics.token(job.record, now)
         if not job.abandoned:
             job.events.put_nowait(token)
 
-    def _solo_done(self, job: Job, reason: str) -> None:
-        self.solo = None
-        if reason == "abort" and job.moving and not job.abandoned:
-            job.moving = False
-            self._admit(job, self.slots.index(None), resume=list(job.generated))
-        else:
-            self._finish(job, reason)
-        self._schedule()
-
     def _finish(self, job: Job, reason: str) -> None:
+        self.jobs.pop(job.id, None)
         if job.where == "done":
             return
         job.where = "done"
         if job.final_reason and reason == "abort":
             reason = job.final_reason
         self.metrics.finished(job.record, reason, time.monotonic())
-        refused = job.refusal is not None and reason == "error"
-        job.events.put_nowait(EngineRefused(job.refusal) if refused else ("done", reason))
+        job.events.put_nowait(("done", reason))
         job.finished.set()
         self._update_load()
 
     def _fail_all(self, error: Exception) -> None:
-        jobs = [j for j in (self.solo, *self.slots, *self.waiting) if j is not None]
-        self.solo, self.slots, self._pending = None, [None] * self.num_slots, deque()
-        self.waiting.clear()
+        jobs = list(self.jobs.values())
+        self.jobs.clear()
         for job in jobs:
+            if job.accepted is not None and not job.accepted.done():
+                job.accepted.set_exception(error)
+                job.accepted.exception()
             job.events.put_nowait(error)
             self._finish(job, "error")
 
     def _update_load(self) -> None:
-        running = [j for j in (self.solo, *self.slots) if j is not None]
+        running = [j for j in self.jobs.values() if j.where == "running"]
+        waiting = len(self.jobs) - len(running)
         held = sum(len(j.request.ids) + len(j.generated) for j in running)
         capacity = max(1, self.facts.get("max_cells", 1) * max(1, self.num_slots))
-        self.metrics.set_load(len(running), len(self.waiting), sum(j is not None for j in self.slots), held / capacity)
+        self.metrics.set_load(len(running), waiting, len(running), held / capacity)
+
+
+def _resolve(future: asyncio.Future | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 def _field(words: list[str], index: int) -> int:

@@ -25,6 +25,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ENGINE_INDEX = "0"  # vLLM v1 labels its single engine core "0"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,6 +66,7 @@ VLLM_METRICS = (
      REQUEST_LATENCY_BUCKETS),
     ("request_decode_time_seconds", Histogram, "Histogram of time spent in DECODE phase for request.",
      REQUEST_LATENCY_BUCKETS),
+    ("iteration_tokens_total", Histogram, "Histogram of number of tokens per engine_step.", ITERATION_BUCKETS),
     ("request_prompt_tokens", Histogram, "Number of prefill tokens processed.", TOKEN_BUCKETS),
     ("request_generation_tokens", Histogram, "Number of generation tokens processed.", TOKEN_BUCKETS),
     ("request_max_num_generation_tokens", Histogram, "Histogram of maximum number of requested generation tokens.",
@@ -302,6 +304,15 @@ class Metrics:
             else:
                 self._token_events.append([now, num_tokens])
 
+    def rejected(self, rec: RequestRecord) -> None:
+        """The engine turned the request away before it waited (its waiting line was full): no other trace."""
+        with self._lock:
+            if rec.finished is not None:
+                return
+            rec.finished, rec.finish_reason = time.monotonic(), "rejected"
+            self._waiting = max(self._waiting - 1, 0)
+            self._vllm["num_requests_waiting"].set(self._waiting)
+
     def finished(self, rec: RequestRecord, reason: str, now: float) -> None:
         """Records `rec` once; a second call (an abort racing a stop) is ignored."""
         with self._lock:
@@ -353,6 +364,10 @@ class Metrics:
                 "finish_reason": reason,
                 "finished_at": time.time() - (time.monotonic() - now),
             })
+
+    def window(self, rows: int) -> None:
+        """The engine read a window of `rows` rows (decoding and prompt rows)."""
+        self._vllm["iteration_tokens_total"].observe(rows)
 
     def preempted(self) -> None:
         self._vllm["num_preemptions"].inc()

@@ -41,7 +41,7 @@ def run_generate(s: GenerateSettings) -> None:
     files = ModelFiles.open(s.model)
     prompt = _prompt_ids(s, files.tokenizer)
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
+                    max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
                     **s.stage_options())
     engine.check_prompt(prompt)
     loaded = time.perf_counter()
@@ -76,11 +76,15 @@ def run_engine(s: EngineSettings) -> None:
     from strata.runtime.pipe import Pipe
     from strata.runtime.scheduler import Scheduler
 
+    from strata.runtime.warmup import warm_up
+
     engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
-                    prefill_chunk=s.prefill_chunk, kernels=s.kernels, cuda_graphs=s.cuda_graphs, park_gb=s.park_gb,
-                    **s.stage_options())
+                    max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
+                    park_gb=s.park_gb, **s.stage_options())
     pipe = Pipe(sys.stdin, sys.stdout)
-    pipe.serve(Scheduler(engine, s.batch, pipe.emit))
+    scheduler = Scheduler(engine, s.batch, pipe.emit, s.max_waiting)
+    warm_up(scheduler.slots)  # before READY: nothing is compiled or captured on a request's path
+    pipe.serve(scheduler)
 
 
 class EngineCommand(EngineSettings):

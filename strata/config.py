@@ -69,8 +69,12 @@ class EngineSettings(StrataSettings):
         "auto", description="compute dtype; auto is float32 on the CPU and bfloat16 on a GPU"
     )
     max_cells: int = Field(4096, gt=0, description="positions each sequence can hold (prompt + answer)")
-    prefill_chunk: int = Field(512, gt=0, description="rows per window while reading a prompt")
-    batch: int = Field(0, ge=0, le=256, description="batch slots decoded together (0: solo only)")
+    batch: int = Field(1, ge=1, le=256, description="slots: requests run together, one decoding row each per window")
+    max_window_tokens: int | None = Field(
+        None, ge=1, description="rows per window (vLLM's max_num_batched_tokens): a row per decoding slot, then prompt "
+        "rows up to this budget; at least --batch; default 512 on a GPU, 256 on the CPU"
+    )
+    max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot; beyond them: 429")
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="kernels: triton (GPU default; prompt projections stay on torch GEMMs), torch references (CPU default)"
     )

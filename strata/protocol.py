@@ -20,35 +20,24 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """What GEN and BGEN carry: how many tokens, how to sample, when to stop, and the prompt."""
+    """What ADD carries: how many tokens, how to sample, when to stop, and the prompt."""
 
     max_new: int
     params: SamplingParams
     stop_ids: frozenset[int]
     ignore_eos: bool
     ids: list[int]
-    resume: int = 0  # the last `resume` ids were generated earlier by this request (BGEN moving a solo run into a slot)
 
 
 @dataclass(frozen=True)
-class Gen:
+class Add:
+    id: str
     request: Request
 
 
 @dataclass(frozen=True)
-class BGen:
-    slot: int
-    request: Request
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class BStop:
-    slot: int
+class Abort:
+    id: str
 
 
 @dataclass(frozen=True)
@@ -56,7 +45,17 @@ class Quit:
     pass
 
 
-Command = Gen | BGen | Stop | BStop | Quit
+Command = Add | Abort | Quit
+
+ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-")
+MAX_ID = 64
+
+
+def request_id(word: str) -> str:
+    """A request id as the protocol carries it: 1-64 letters, digits or `_.:-`."""
+    if not 0 < len(word) <= MAX_ID or not set(word) <= ID_CHARS:
+        raise ProtocolError(f"request id {word[:80]!r}: use 1 to {MAX_ID} letters, digits or _.:-")
+    return word
 
 
 def _int(word: str, what: str) -> int:
@@ -66,16 +65,15 @@ def _int(word: str, what: str) -> int:
         raise ProtocolError(f"{what} {word!r} is not an integer") from None
 
 
-def _request(words: list[str], verb: str) -> Request:
+def _request(words: list[str]) -> Request:
     if not words:
-        raise ProtocolError(f"{verb} needs <max_new> [key=value ...] <ids>")
+        raise ProtocolError("ADD needs <id> <max_new> [key=value ...] <ids>")
     max_new = _int(words[0], "max_new")
-    if max_new < 0:
-        raise ProtocolError(f"max_new {max_new} is negative")
+    if max_new < 1:
+        raise ProtocolError(f"max_new {max_new}: a request must generate at least one token")
     sampling: dict = {}
     stop_ids: set[int] = set()
     ignore_eos = False
-    resume = 0
     ids: list[int] = []
     for word in words[1:]:
         if "=" not in word:
@@ -84,7 +82,7 @@ def _request(words: list[str], verb: str) -> Request:
         if ids:
             raise ProtocolError(f"key {word!r} after the token ids; keys come first")
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "resume"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -93,15 +91,24 @@ def _request(words: list[str], verb: str) -> Request:
                 sampling[key] = int(value)
             elif key == "stop":
                 stop_ids |= {int(v) for v in value.split(",") if v}
-            elif key == "resume":
-                resume = int(value)
             else:
                 ignore_eos = value not in ("0", "false", "")
         except ValueError:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
-        raise ProtocolError(f"{verb} has no prompt token ids")
-    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, resume)
+        raise ProtocolError("ADD has no prompt token ids")
+    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids)
+
+
+def command_id(line: str) -> str | None:
+    """The request id a command line names, when it names a well-formed one (to address its error)."""
+    words = line.split()
+    if len(words) >= 2 and words[0] in ("ADD", "ABORT"):
+        try:
+            return request_id(words[1])
+        except ProtocolError:
+            return None
+    return None
 
 
 def parse_command(line: str) -> Command:
@@ -109,25 +116,21 @@ def parse_command(line: str) -> Command:
     if not words:
         raise ProtocolError("empty line")
     verb, rest = words[0], words[1:]
-    if verb == "GEN":
-        return Gen(_request(rest, verb))
-    if verb == "BGEN":
+    if verb == "ADD":
         if not rest:
-            raise ProtocolError("BGEN needs <slot> <max_new> [key=value ...] <ids>")
-        return BGen(_int(rest[0], "slot"), _request(rest[1:], verb))
-    if verb == "STOP" and not rest:
-        return Stop()
-    if verb == "BSTOP" and len(rest) == 1:
-        return BStop(_int(rest[0], "slot"))
+            raise ProtocolError("ADD needs <id> <max_new> [key=value ...] <ids>")
+        return Add(request_id(rest[0]), _request(rest[1:]))
+    if verb == "ABORT" and len(rest) == 1:
+        return Abort(request_id(rest[0]))
     if verb == "QUIT" and not rest:
         return Quit()
-    if verb in ("STOP", "BSTOP", "QUIT"):
+    if verb in ("ABORT", "QUIT"):
         raise ProtocolError(f"{verb}: wrong number of arguments")
-    raise ProtocolError(f"unknown command {verb!r} (known: GEN, STOP, BGEN, BSTOP, QUIT)")
+    raise ProtocolError(f"unknown command {verb[:40]!r} (known: ADD, ABORT, QUIT)")
 
 
 def format_request(request: Request) -> str:
-    """The keys and ids of a GEN / BGEN line (the inverse of parsing), for clients."""
+    """The keys and ids of an ADD line after its id (the inverse of parsing), for clients."""
     defaults = SamplingParams()
     keys = [f"{f.name}={getattr(request.params, f.name)}" for f in fields(SamplingParams)
             if getattr(request.params, f.name) != getattr(defaults, f.name)]
@@ -135,38 +138,45 @@ def format_request(request: Request) -> str:
         keys.append("stop=" + ",".join(str(i) for i in sorted(request.stop_ids)))
     if request.ignore_eos:
         keys.append("ignore_eos=1")
-    if request.resume:
-        keys.append(f"resume={request.resume}")
     return " ".join([str(request.max_new), *keys, *map(str, request.ids)])
 
 
+def add(rid: str, request: Request) -> str:
+    return f"ADD {rid} {format_request(request)}"
+
+
 # events
+
+ERR_INVALID, ERR_FULL, ERR_INTERNAL = "invalid", "full", "internal"
 
 
 def ready(facts: dict) -> str:
     return "READY " + json.dumps(facts, separators=(",", ":"))
 
 
-def token(token_id: int) -> str:
-    return f"T {token_id}"
+def wait(rid: str) -> str:
+    """The request joined the waiting line."""
+    return f"WAIT {rid}"
 
 
-def done(reason: str, num_prompt: int, num_generated: int, num_reused: int = 0) -> str:
-    """`num_reused`: prompt tokens taken from a held or parked state instead of being read."""
-    return f"DONE {reason} {num_prompt} {num_generated} {num_reused}"
+def run(rid: str, num_reused: int) -> str:
+    """The request got a slot; its prompt is read in the next windows, less `num_reused` tokens taken from a held
+    or parked state."""
+    return f"RUN {rid} {num_reused}"
 
 
-def badm(slot: int, admitted: bool, num_reused: int = 0) -> str:
-    """An admission (with the prompt tokens it took from a held or parked state), or a refusal."""
-    return f"BADM {slot} 1 {num_reused}" if admitted else f"BADM {slot} 0"
+def tokens(pairs: list[tuple[str, int]]) -> str:
+    """The tokens one window gave: (request id, token) pairs, in order."""
+    return "TOK " + " ".join(f"{rid} {t}" for rid, t in pairs)
 
 
-def btoken(slot: int, token_id: int) -> str:
-    return f"BT {slot} {token_id}"
+def end(rid: str, reason: str, num_prompt: int, num_generated: int, num_reused: int = 0) -> str:
+    return f"END {rid} {reason} {num_prompt} {num_generated} {num_reused}"
 
 
-def bdone(slot: int, reason: str, num_prompt: int, num_generated: int) -> str:
-    return f"BDONE {slot} {reason} {num_prompt} {num_generated}"
+def window(decode_rows: int, prompt_rows: int) -> str:
+    """A window was read: its decoding rows and its prompt rows."""
+    return f"WIN {decode_rows} {prompt_rows}"
 
 
 def parked(conversations: int, num_bytes: int) -> str:
@@ -177,5 +187,7 @@ def experts(on_device: int, on_cpu: int) -> str:
     return f"EXPERTS {on_device} {on_cpu}"
 
 
-def err(reason: str) -> str:
-    return "ERR " + " ".join(reason.split())  # one line, whatever the message held
+def err(rid: str | None, code: str, reason: str) -> str:
+    """A command that could not be carried out; `rid` the request it named ("-" when none could be read); `code`
+    `invalid` (a bad command or request), `full` (the waiting line is full: try again later) or `internal`."""
+    return f"ERR {rid or '-'} {code} " + " ".join(reason.split())  # one line, whatever the message held

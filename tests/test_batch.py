@@ -1,17 +1,21 @@
-"""Batch slots: conversations decoded together give exactly the tokens each gets alone."""
+"""Batch slots and mixed windows: conversations decoded together, and prompts read in chunks inside the decoding
+windows, give exactly the tokens each conversation gets alone."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from strata.errors import StrataError
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams
+from strata.runtime.window import Window
 from tests.tiny_models import CASES, VOCAB, build
 
 NEW = 150
 NO_STOP = frozenset()
+BUDGET = 24  # rows per window: prompts of up to 68 tokens span several windows
 
 
 def prompt(i: int) -> list[int]:
@@ -22,52 +26,113 @@ def prompt(i: int) -> list[int]:
 def engine(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     build(request.param, folder)
-    return Engine(ModelFiles.open(folder), max_cells=512)
+    return Engine(ModelFiles.open(folder), max_cells=512, max_window_tokens=BUDGET)
 
 
-def drain(slots, sync: bool = True) -> dict[int, list[int]]:
-    """Every event until the slots are idle: one window at a time (sync), or stepping with windows in flight."""
-    out: dict[int, list[int]] = {}
+def drain(slots, sync: bool = True, out: dict | None = None, windows: list | None = None) -> dict[int, list[int]]:
+    """Every event until the slots are idle: one window at a time (sync), or stepping with windows in flight.
+    `windows`: gets each synchronous window's (decoding slots, prompt rows, rows)."""
+    out = {} if out is None else out
     while slots.active or slots.in_flight:
-        events = slots.commit_slots(slots.run_slots()) if sync else slots.step()
+        if sync:
+            sw = slots.run_slots()
+            if windows is not None:
+                windows.append((list(sw.decoding), sw.prompt_rows, sw.num_rows))
+            events = slots.commit_slots(sw)
+        else:
+            events = slots.step()
         for e in events:
             out.setdefault(e.slot, []).append(e.token)
     return out
 
 
 def test_eight_conversations_equal_their_solo_runs(engine):
+    """Eight prompts admitted together are read in chunks over several windows (24 rows each), the earlier ones
+    decoding while the later ones are read; every answer equals its solo run, and no window exceeds the budget."""
     solo = [engine.generate(prompt(i), NEW, stop_ids=NO_STOP).ids for i in range(8)]
     slots = engine.init_slots(8)
-    first = {i: slots.admit(i, prompt(i), NEW, stop_ids=NO_STOP).token for i in range(8)}
-    rest = drain(slots)
-    batched = [[first[i], *rest[i]] for i in range(8)]
+    reused = [slots.admit(i, prompt(i), NEW, stop_ids=NO_STOP) for i in range(8)]  # parked by the solo runs
+    windows: list = []
+    batched = drain(slots, windows=windows)
     for i in range(8):
         assert batched[i] == solo[i], f"conversation {i} drifted from its solo run"
+    assert max(rows for *_, rows in windows) <= BUDGET
+    assert any(decoding and prompt_rows for decoding, prompt_rows, _ in windows)  # mixed windows ran
+    assert sum(p for _, p, _ in windows) == sum(len(prompt(i)) - reused[i] for i in range(8))  # each row once
+
+
+def test_a_long_prompt_never_stops_the_decoding_slots(engine):
+    """Two conversations decode; a 300-token prompt arrives. Every window from then on holds a row of each decoding
+    slot (a token for each, window after window) and prompt rows up to the budget; the long prompt is read over
+    several windows, and all three answers equal their solo runs."""
+    long_prompt = [(5 + 11 * j) % VOCAB for j in range(300)]
+    want = {0: engine.generate(prompt(1), 60, stop_ids=NO_STOP).ids, 1: engine.generate(prompt(2), 60, stop_ids=NO_STOP).ids,
+            2: engine.generate(long_prompt, 20, stop_ids=NO_STOP).ids}
+    slots = engine.init_slots(3)
+    got: dict[int, list[int]] = {}
+    slots.admit(0, prompt(1), 60, stop_ids=NO_STOP)
+    slots.admit(1, prompt(2), 60, stop_ids=NO_STOP)
+    while slots.slots[0].reading or slots.slots[1].reading or len(got.get(1, [])) < 5:
+        for e in slots.commit_slots(slots.run_slots()):
+            got.setdefault(e.slot, []).append(e.token)
+    slots.admit(2, long_prompt, 20, stop_ids=NO_STOP)
+    reading_windows = 0
+    while slots.slots[2].reading or not got.get(2):
+        before = {i: len(got.get(i, [])) for i in (0, 1)}
+        sw = slots.run_slots()
+        assert sw.num_rows <= BUDGET and sw.decoding[:2] == [0, 1]
+        for e in slots.commit_slots(sw):
+            got.setdefault(e.slot, []).append(e.token)
+        assert all(len(got[i]) == before[i] + 1 for i in (0, 1)), "a decoding slot missed a window"
+        reading_windows += 1
+    assert reading_windows >= 300 // (BUDGET - 2)  # the prompt spanned several windows, each a row per stream
+    drain(slots, out=got)
+    assert got == want
 
 
 def test_staggered_admissions_and_a_reused_slot(engine):
     slots = engine.init_slots(4)
     got: dict[str, list[int]] = {}
     names = {0: "a", 1: "b"}
-    for i, name in names.items():
-        got[name] = [slots.admit(i, prompt(i), 60, stop_ids=NO_STOP).token]
+    for i in names:
+        slots.admit(i, prompt(i), 60, stop_ids=NO_STOP)
     for step in range(40):
         if step == 10:  # a slot that joins mid-flight
             names[2] = "c"
-            got["c"] = [slots.admit(2, prompt(5), 60, stop_ids=NO_STOP).token]
+            slots.admit(2, prompt(5), 60, stop_ids=NO_STOP)
         if step == 20:  # one stopped early, its slot reused for a new conversation
             assert slots.stop(1)
             names[1] = "d"
-            got["d"] = [slots.admit(1, prompt(3), 30, stop_ids=NO_STOP).token]
+            slots.admit(1, prompt(3), 30, stop_ids=NO_STOP)
         for e in slots.commit_slots(slots.run_slots()):
-            got[names[e.slot]].append(e.token)
-    for name, events in drain(slots).items():
-        got[names[name]] += events
+            got.setdefault(names[e.slot], []).append(e.token)
+    for slot, events in drain(slots).items():
+        got[names[slot]] += events
     assert got["a"] == engine.generate(prompt(0), 60, stop_ids=NO_STOP).ids
     assert got["c"] == engine.generate(prompt(5), 60, stop_ids=NO_STOP).ids
     assert got["d"] == engine.generate(prompt(3), 30, stop_ids=NO_STOP).ids
     b_solo = engine.generate(prompt(1), 60, stop_ids=NO_STOP).ids
-    assert got["b"] == b_solo[: len(got["b"])] and len(got["b"]) == 21
+    assert got["b"] == b_solo[: len(got["b"])] and len(got["b"]) == 20
+
+
+def test_decode_rows_are_bitwise_the_same_beside_prompt_rows(engine):
+    """Two slots decode; the same decode rows run alone, then with a prompt chunk of another slot beside them:
+    their logits are bitwise equal."""
+    slots = engine.init_slots(3)
+    for i in (0, 1):
+        slots.admit(i, prompt(i + 1), 20, stop_ids=NO_STOP)
+    while any(s.reading for s in slots.slots):
+        slots.commit_slots(slots.run_slots())
+    states = [s.state for s in slots.slots]
+    parts = [(states[i], [slots.slots[i].next_token], False) for i in (0, 1)]
+    gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them
+    saved = [t.clone() for t in gdn]
+    alone = engine.forward(Window.build(parts, engine.device))
+    for t, v in zip(gdn, saved):
+        t.copy_(v)
+    mixed = engine.forward(Window.build(parts + [(states[2], prompt(4)[:BUDGET - 2], False)], engine.device))
+    assert mixed.shape[0] == 3
+    assert torch.equal(mixed[:2], alone)
 
 
 SAMPLED = [
@@ -84,20 +149,23 @@ SAMPLED = [
 def test_sampled_answers_do_not_depend_on_neighbours(engine, lookahead):
     solo = [engine.generate(prompt(i), 40, p, stop_ids=NO_STOP).ids for i, p in enumerate(SAMPLED)]
     slots = engine.init_slots(len(SAMPLED), lookahead=lookahead)
-    first = {i: slots.admit(i, prompt(i), 40, p, stop_ids=NO_STOP).token for i, p in enumerate(SAMPLED)}
-    rest = drain(slots, sync=False)
-    assert [[first[i], *rest[i]] for i in range(len(SAMPLED))] == solo
+    for i, p in enumerate(SAMPLED):
+        slots.admit(i, prompt(i), 40, p, stop_ids=NO_STOP)
+    got = drain(slots, sync=False)
+    assert [got[i] for i in range(len(SAMPLED))] == solo
 
 
 @pytest.mark.parametrize("lookahead", [None, 0, 1], ids=["sync", "step", "lookahead"])
 def test_stop_tokens_and_length_end_a_slot(engine, lookahead):
     ids = engine.generate(prompt(2), 40, stop_ids=NO_STOP).ids
-    stop = next(ids[j] for j in range(2, 40) if ids[j] not in ids[:j])  # a token first sampled by a batch window
+    stop = next(ids[j] for j in range(2, 40) if ids[j] not in ids[:j])  # a token first sampled by a decoding row
     slots = engine.init_slots(3, lookahead=lookahead or 0)
     cells = len(prompt(2)) + 4  # room for the prompt and 4 more positions: the 4th token ends it ("length")
     slots.slots[2].state.max_cells = cells
-    events = [slots.admit(0, prompt(2), 40, stop_ids=frozenset({stop})), slots.admit(1, prompt(2), 3, stop_ids=NO_STOP),
-              slots.admit(2, prompt(2), 40, stop_ids=NO_STOP)]
+    slots.admit(0, prompt(2), 40, stop_ids=frozenset({stop}))
+    slots.admit(1, prompt(2), 3, stop_ids=NO_STOP)
+    slots.admit(2, prompt(2), 40, stop_ids=NO_STOP)
+    events = []
     while slots.active or slots.in_flight:
         events += slots.commit_slots(slots.run_slots()) if lookahead is None else slots.step()
     done = {e.slot: e for e in events if e.finish_reason}
@@ -117,22 +185,24 @@ def test_stop_tokens_and_length_end_a_slot(engine, lookahead):
 
 
 def test_lookahead_batches_equal_solo_with_staggered_admissions(engine):
-    """Windows launched ahead of the host (their tokens fed on the device): admissions and stops flush them, a
-    conversation continues exactly as alone, and a flushed slot's state is what its tokens say."""
+    """Windows launched ahead of the host (decoding rows' tokens fed on the device, prompt rows from the host):
+    an admission needs the windows in flight read first, and a conversation continues exactly as alone."""
     slots = engine.init_slots(4, lookahead=1)
-    got = {0: [slots.admit(0, prompt(0), 50, stop_ids=NO_STOP).token], 1: [slots.admit(1, prompt(1), 50, stop_ids=NO_STOP).token]}
+    got: dict[int, list[int]] = {}
+    slots.admit(0, prompt(0), 50, stop_ids=NO_STOP)
+    slots.admit(1, prompt(1), 50, stop_ids=NO_STOP)
     for step in range(30):
         if step == 7:
+            assert slots.in_flight
             with pytest.raises(StrataError, match="in flight"):
                 slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)
             for e in slots.flush():
-                got[e.slot].append(e.token)
+                got.setdefault(e.slot, []).append(e.token)
             assert not slots.in_flight
-            got[2] = [slots.admit(2, prompt(5), 50, stop_ids=NO_STOP).token]
+            slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)
         for e in slots.step():
-            got[e.slot].append(e.token)
-    for slot, tokens in drain(slots, sync=False).items():
-        got[slot] += tokens
+            got.setdefault(e.slot, []).append(e.token)
+    drain(slots, sync=False, out=got)
     assert got[0] == engine.generate(prompt(0), 50, stop_ids=NO_STOP).ids
     assert got[1] == engine.generate(prompt(1), 50, stop_ids=NO_STOP).ids
     assert got[2] == engine.generate(prompt(5), 50, stop_ids=NO_STOP).ids
@@ -149,94 +219,23 @@ def test_admission_errors(engine):
         slots.admit(1, [1, VOCAB + 5], 5)
     with pytest.raises(StrataError, match="max_cells"):
         slots.admit(1, [1] * 600, 5)
+    with pytest.raises(StrataError, match="at least one token"):
+        slots.admit(1, prompt(1), 0)
     assert slots.active == [0]  # the failures left the running slot alone
+    with pytest.raises(StrataError, match="max-window-tokens"):
+        engine.init_slots(BUDGET + 1)  # a decoding row per slot must fit a window
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED[3], SAMPLED[5]], ids=["greedy", "sampled", "penalties"])
-def test_a_solo_run_moved_into_a_slot_continues_exactly(engine, params):
-    """What the server does when a second request arrives: STOP the solo run, BGEN it into a slot with resume."""
-    from strata import protocol
-    from strata.runtime.scheduler import Scheduler
-
-    out: list[str] = []
-    sched = Scheduler(engine, 2, out.append)
-    keys = protocol.format_request(protocol.Request(60, params, frozenset(), True, prompt(4)))
-    sched.handle(f"GEN {keys}")
-    for _ in range(9):
-        sched.step()
-    sched.handle("STOP")
-    solo = [int(line.split()[1]) for line in out if line.startswith("T ")]
-    assert out[-1] == f"DONE abort {len(prompt(4))} {len(solo)} 0"
-    moved = protocol.Request(60, params, frozenset(), True, prompt(4) + solo, resume=len(solo))
-    sched.handle(f"BGEN 1 {protocol.format_request(moved)}")
-    assert sched.slots.reused == len(prompt(4)) + len(solo) - 1  # only the last token was read again
-    while sched.busy:
-        sched.step()
-    rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
-    assert out[-1] == f"BDONE 1 length {len(prompt(4))} 60"
-    assert solo + rest == engine.generate(prompt(4), 60, params, stop_ids=NO_STOP).ids
-
-
-def test_scheduler_with_lookahead_stops_and_readmits_a_slot(engine):
-    """The engine process's loop with windows in flight: BSTOP reads them first (their tokens are sent before the
-    BDONE, none after), the slot's state is whole, and a new conversation in it reuses its prefix and runs as alone."""
-    from strata.runtime.scheduler import Scheduler
-
-    out: list[str] = []
-    saved, engine.lookahead = engine.lookahead, 1
-    try:
-        sched = Scheduler(engine, 2, out.append)
-    finally:
-        engine.lookahead = saved
-    assert sched.slots.lookahead == 1
-    sched.handle(f"BGEN 0 60 ignore_eos=1 {' '.join(map(str, prompt(2)))}")
-    sched.handle(f"BGEN 1 40 ignore_eos=1 {' '.join(map(str, prompt(3)))}")
-    for _ in range(6):
-        sched.step()
-    assert sched.slots.in_flight
-    sched.handle("BSTOP 0")
-    assert not sched.slots.in_flight
-    first = [int(line.split()[2]) for line in out if line.startswith("BT 0 ")]
-    assert out[-1] == f"BDONE 0 abort {len(prompt(2))} {len(first)}"
-    assert first == engine.generate(prompt(2), len(first), stop_ids=NO_STOP).ids
-    state = sched.slots.slots[0].state
-    assert state.tokens == (prompt(2) + first)[: state.length] and state.length == len(state.tokens)
-    held = state.length
-    follow_up = prompt(2) + first + prompt(4)
-    sched.handle(f"BGEN 0 30 ignore_eos=1 {' '.join(map(str, follow_up))}")
-    assert sched.slots.reused == held  # the whole state: every token it read is in the follow-up
-    mark = len(out)
-    while sched.busy:
-        sched.step()
-    again = [int(line.split()[2]) for line in out[mark - 1 :] if line.startswith("BT 0 ")]
-    assert again == engine.generate(follow_up, 30, stop_ids=NO_STOP).ids
-    rest = [int(line.split()[2]) for line in out if line.startswith("BT 1 ")]
-    assert rest == engine.generate(prompt(3), 40, stop_ids=NO_STOP).ids
-    assert f"BDONE 1 length {len(prompt(3))} 40" in out and f"BDONE 0 length {len(follow_up)} 30" in out
-
-
-@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED[0], SAMPLED[1], SAMPLED[5]],
-                         ids=["greedy", "sampled", "top_p", "penalties"])
-def test_the_solo_path_one_step_ahead_gives_the_same_tokens(engine, params):
-    """`lookahead` 1 on the solo path (the GPU default): each step launched before the host reads the last token.
-    Same tokens; the state holds exactly the tokens it read, the stop token included when one ended it, and a
-    generation closed early leaves it whole too. (Penalties keep the host first: they count on the host.)"""
-    want = engine.generate(prompt(3), 30, params, stop_ids=NO_STOP).ids
-    saved, engine.lookahead = engine.lookahead, 1
-    try:
-        assert engine._runs_ahead(params) == (not params.has_penalties)
-        assert engine.generate(prompt(3), 30, params, stop_ids=NO_STOP).ids == want
-        stop = next((want[j] for j in range(1, 30) if want[j] not in want[:j]), want[0])  # ends where it first occurs
-        state = engine.new_state()
-        got = [t for t, _ in engine.stream(prompt(3), 30, params, frozenset({stop}), state=state)]
-        assert got == want[: want.index(stop) + 1]
-        assert state.tokens == (prompt(3) + got)[: state.length] and state.length == len(state.tokens)
-        assert state.length == len(prompt(3)) + len(got) - (0 if engine._runs_ahead(params) else 1)
-        state = engine.new_state()
-        steps = engine.stream(prompt(3), 30, params, NO_STOP, state=state)
-        early = [next(steps)[0] for _ in range(5)]
-        steps.close()
-        assert early == want[:5] and state.tokens == (prompt(3) + want)[: state.length] == state.tokens[: state.length]
-        assert state.length == len(state.tokens)
-    finally:
-        engine.lookahead = saved
+def test_the_solo_stream_closed_early_leaves_a_whole_state(engine):
+    """`Engine.stream` runs in a slot of its own: closing it early stops the request, and its slot's state holds
+    exactly the tokens it read (a follow-up then reuses them)."""
+    want = engine.generate(prompt(3), 30, stop_ids=NO_STOP).ids
+    steps = engine.stream(prompt(3), 30, stop_ids=NO_STOP)
+    early = [next(steps)[0] for _ in range(5)]
+    steps.close()
+    state = engine.solo_slots().slots[0].state
+    assert early == want[:5] and not engine.solo_slots().slots[0].active
+    assert state.tokens == (prompt(3) + want)[: state.length] and state.length == len(state.tokens)
+    assert engine.generate(prompt(3), 30, stop_ids=NO_STOP).ids == want
+    kept = len(prompt(3)) - 1 if engine.parking.truncatable else 0  # a GDN state past the prompt cannot be cut
+    assert engine.solo_slots().slots[0].num_reused == kept

@@ -59,7 +59,7 @@ def test_greedy_tokens_and_logits_match_transformers(case, prompt):
 def test_prompt_read_in_chunks_equals_one_window(case):
     name, folder, ref = case
     ids = PROMPTS["long"]
-    engine = Engine(ModelFiles.open(folder), max_cells=256, prefill_chunk=37)
+    engine = Engine(ModelFiles.open(folder), max_cells=256, max_window_tokens=37)
     logits = engine.run(engine.new_state(), ids, all_logits=True)
     assert _rel_err(logits, _reference_logits(ref, ids)) < 1e-4
 

@@ -100,6 +100,8 @@ class Forward:
         return rows(self.norm, x, weight, self.spec.rms_eps), x
 
     def head(self, x: torch.Tensor, window: Window) -> torch.Tensor:
+        if window.logit_rows.shape[0] == 0:  # prompt chunks that are not their prompts' last: no logits wanted
+            return x.new_zeros(0, self.weights.lm_head.shape[0], dtype=torch.float32)
         rows = _rows_for(window)
         h = rows(self.norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
         return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
@@ -109,11 +111,29 @@ class Forward:
 
     def run_stage(self, window: Window, x: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's share of a window: from the tokens (first stage, x None) or the previous stage's hidden
-        states x [R, hidden], to the next hidden states, or to the logits on the last stage."""
+        states x [R, hidden], to the next hidden states, or to the logits on the last stage.
+
+        A mixed window (decode rows first, then prompt chunks) runs as its two parts in turn: the decode rows
+        exactly as a decode window of their own (row-invariant; a CUDA graph on the GPU), so a decoding row's
+        logits are bitwise the same whether or not prompt rows share its window; the prompt rows on the prompt
+        kernels. The weights are read once per part."""
+        parts = window.split()
+        if parts is None:
+            return self._run_part(window, x)
+        decode, prompt = parts
+        r = decode.num_rows
+        first = self._run_part(decode, None if x is None else x[:r])
+        rest = self._run_part(prompt, None if x is None else x[r:])
+        return torch.cat([first, rest])  # hidden states in row order, or logits in logit-row order
+
+    def _run_part(self, window: Window, x: torch.Tensor | None = None) -> torch.Tensor:
         if self.fast is not None and window.is_decode and window.pool is not None:
             positions = window.positions.to(self.device, torch.int32)
             inp = window.tokens.to(self.device) if x is None else x
-            return self.fast(window.pool, inp, positions, window.seq_ids.to(self.device))
+            out = self.fast(window.pool, inp, positions, window.seq_ids.to(self.device))
+            if self.weights.final_norm is not None and window.logit_rows.shape[0] != window.num_rows:
+                out = out[window.logit_rows.to(self.device)]  # a one-row prompt chunk that is not its prompt's last
+            return out
         x = self.embed(window.tokens.to(self.device)) if x is None else x
         x = self.layers(x, window)
         return self.head(x, window) if self.weights.final_norm is not None else x

@@ -1,10 +1,13 @@
-"""The solo path: read a prompt, then decode one sequence token by token."""
+"""The engine: one model split over stages, and its one generation path (batch slots; `strata.runtime.slots`).
+
+`Engine.generate` / `Engine.stream` run a request in a slot of their own, through the same windows as the
+engine process: a lone request is a slot like any other."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -16,10 +19,13 @@ from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights
 from strata.runtime.forward import Forward
 from strata.runtime.stages import Pipeline, Stage, plan_stages
-from strata.runtime.sampling import SamplingParams, sample, token_counts
-from strata.runtime.window import Window, host_copy
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.window import Window
 from strata.state.parking import ParkingLot, park_budget, reuse_prefix
 from strata.state.session import SessionState, StatePool
+
+if TYPE_CHECKING:
+    from strata.runtime.slots import Slots
 
 
 @dataclass
@@ -33,7 +39,7 @@ class Engine:
     """One model, split over one or more stages, decoding sequences through the window forward pass."""
 
     def __init__(self, files: ModelFiles | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_cells: int = 4096, prefill_chunk: int = 512, spec: ModelSpec | None = None,
+                 max_cells: int = 4096, max_window_tokens: int | None = None, spec: ModelSpec | None = None,
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
@@ -45,11 +51,14 @@ class Engine:
         self.tokenizer = files.tokenizer if files is not None else None
         self.device, self.dtype = torch.device(device), dtype
         self.max_cells = min(max_cells, self.spec.max_positions)
-        self.prefill_chunk = prefill_chunk
+        self.max_window_tokens = default_window_tokens(self.device) if max_window_tokens is None else max_window_tokens
+        if self.max_window_tokens < 1:
+            raise StrataError(f"--max-window-tokens {self.max_window_tokens}: a window needs at least one row")
         self.batch_groups = batch_groups
-        # steps launched ahead of the one the host reads (batch slots and the solo path): 1 by default on a GPU,
+        # windows launched ahead of the one the host reads: 1 by default on a GPU,
         # where the host then works while the device computes, 0 on the CPU, where the host computes
         self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
+        self._solo: "Slots | None" = None  # `solo_slots`
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
@@ -130,80 +139,37 @@ class Engine:
 
     @torch.inference_mode()
     def run(self, state: SessionState, ids: list[int], *, all_logits: bool = False) -> torch.Tensor:
-        """Feed `ids` to `state` (in chunks of `prefill_chunk` rows); return the logits of the last row, or of every row."""
+        """Feed `ids` to `state` in windows of its own of up to `max_window_tokens` rows (a forward pass for tests
+        and benchmarks; requests go through slots); the logits of the last row, or of every row."""
         outs = []
-        for start in range(0, len(ids), self.prefill_chunk):
-            window = Window.build([(state, ids[start : start + self.prefill_chunk], all_logits)], self.device)
+        for start in range(0, len(ids), self.max_window_tokens):
+            window = Window.build([(state, ids[start : start + self.max_window_tokens], all_logits)], self.device)
             outs.append(self.forward(window))
             window.commit()
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def solo_slots(self) -> "Slots":
+        """The one slot that `stream` and `generate` run requests in (made at first use, kept: a GPU's decode
+        graphs are captured once per slot pool)."""
+        if self._solo is None:
+            self._solo = self.init_slots(1, batch_groups=1)
+        return self._solo
+
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-               stop_ids: frozenset[int] | None = None, state: SessionState | None = None) -> Iterator[tuple[int, str | None]]:
-        """Yield (token, finish_reason) pairs; finish_reason is None until the last token. `state`: the sequence to
-        use (a new one when None); a strict prefix of the prompt that it holds (see `reuse`) is not read again."""
-        self.check_prompt(prompt_ids)
-        params.validate()
-        stops = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer else (stop_ids or frozenset())
-        if state is None:
-            state = self.new_state()
-        elif state.length >= len(prompt_ids) or state.tokens != prompt_ids[: state.length]:
-            state.reset()  # it holds another conversation
-        logits = self.run(state, prompt_ids[state.length :])
-        if self._runs_ahead(params):
-            yield from self._stream_ahead(state, logits, max_new_tokens, params, stops)
-            return
-        history = list(prompt_ids)
-        for n in range(max_new_tokens):
-            token = self._sample(logits[-1:], params, state.length, history, len(prompt_ids))
-            history.append(token)
-            if token in stops:
-                yield token, "stop"
-                return
-            if n + 1 == max_new_tokens or state.length + 1 >= self.max_cells:
-                yield token, "length"
-                return
-            yield token, None
-            logits = self.run(state, [token])
-
-    def _runs_ahead(self, params: SamplingParams) -> bool:
-        """Whether the solo path launches each step before reading the last one's token (`lookahead`). Penalties
-        keep it reading first: they count the tokens on the host."""
-        return self.lookahead == 1 and not params.has_penalties
-
-    def _stream_ahead(self, state: SessionState, logits: torch.Tensor, max_new_tokens: int, params: SamplingParams,
-                      stops: frozenset[int]) -> Iterator[tuple[int, str | None]]:
-        """`stream`'s decode loop with the next step launched before the host reads this one's token (as batch
-        slots do with `--lookahead 1`): the sampled token stays on the device and feeds the next window, and the
-        host reads it through pinned memory behind an event. A step that cannot be the last is launched ahead; one
-        behind a stop token is computed and kept (the state then holds the stop token, as its tokens say)."""
-        def launch_sample(logits: torch.Tensor, position: int):
-            token = sample(logits[-1:], [params], [position])  # [1] on the device
-            return (token, *host_copy(token))
-
-        pending = launch_sample(logits, state.length)
-        for n in range(max_new_tokens):
-            last = n + 1 == max_new_tokens or state.length + 1 >= self.max_cells
-            current = pending
-            if not last:  # the next step, fed on the device from this one's token
-                window = Window.build([(state, [0], True)], self.device, fed=True)
-                window.tokens = current[0]
-                next_logits = self.forward(window)
-                state.length += 1  # the row is the state's now; its token joins `state.tokens` once read below
-                pending = launch_sample(next_logits, state.length)
-            if current[2] is not None:
-                current[2].synchronize()
-            token = int(current[1][0])
-            if not last:
-                state.tokens.append(token)
-            if token in stops:
-                yield token, "stop"
-                return
-            if last:
-                yield token, "length"
-                return
-            yield token, None
+               stop_ids: frozenset[int] | None = None) -> Iterator[tuple[int, str | None]]:
+        """Yield (token, finish_reason) pairs; finish_reason is None until the last token. The request runs in a
+        slot alone (`solo_slots`), through the windows every request takes; a prefix of the prompt that the slot
+        still holds from the request before is not read again. Closing the iterator early stops the request."""
+        slots = self.solo_slots()
+        slots.admit(0, prompt_ids, max_new_tokens, params, stop_ids)
+        try:
+            while slots.slots[0].active or slots.in_flight:
+                for event in slots.step():
+                    yield event.token, event.finish_reason
+        finally:
+            slots.stop(0)
+            slots.flush()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  stop_ids: frozenset[int] | None = None) -> Generation:
@@ -217,13 +183,10 @@ class Engine:
             gen.finish_reason = reason
         return gen
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, position: int, history: list[int], n_prompt: int) -> int:
-        if params.is_greedy and not params.has_penalties:
-            return int(torch.argmax(logits[0]))
-        seen = counts = None
-        if params.has_penalties:
-            vocab = logits.shape[-1]
-            as_row = lambda ids: torch.tensor([ids or [-1]], dtype=torch.int64, device=logits.device)  # noqa: E731
-            seen = token_counts(as_row(history[:n_prompt]), vocab) > 0
-            counts = token_counts(as_row(history[n_prompt:]), vocab)
-        return int(sample(logits, [params], [position], seen, counts)[0])
+
+DEFAULT_WINDOW_TOKENS = {"cuda": 512, "cpu": 256}
+
+
+def default_window_tokens(device: torch.device) -> int:
+    """`--max-window-tokens` when not given: measured per device kind (docs/PERFORMANCE.md, bench/serve.py)."""
+    return DEFAULT_WINDOW_TOKENS.get(torch.device(device).type, DEFAULT_WINDOW_TOKENS["cpu"])

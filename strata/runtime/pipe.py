@@ -1,7 +1,8 @@
 """The `strata engine` process: moves lines between stdin/stdout and the scheduler, nothing more.
 
 A reader thread feeds stdin's lines into a queue; the loop drains the queue without blocking while work is
-in flight (so admissions and stops take effect at the next window) and blocks on it when idle.
+in flight (so requests and aborts take effect at the next window) and blocks on it when idle. The events of
+one turn (the commands' answers, one window's tokens) leave in one write.
 """
 
 from __future__ import annotations
@@ -15,20 +16,26 @@ from typing import TextIO
 from strata import protocol
 from strata.runtime.scheduler import Scheduler
 
-_CONTROL = ("GEN", "BGEN", "STOP", "BSTOP", "QUIT", "DONE", "BADM", "BDONE", "ERR", "READY", "PARKED", "EXPERTS")
+_CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "EXPERTS")
 
 
 class Pipe:
     def __init__(self, stdin: TextIO, stdout: TextIO, trace: bool | None = None):
         self.stdin, self.stdout = stdin, stdout
-        self.trace = os.environ.get("STRATA_BATCH_TRACE") == "1" if trace is None else trace
+        self.trace = os.environ.get("STRATA_TRACE") == "1" if trace is None else trace
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self._out: list[str] = []
 
     def emit(self, line: str) -> None:
         if self.trace and line.startswith(_CONTROL):
-            print(f"[strata trace] -> {line}", file=sys.stderr, flush=True)
-        self.stdout.write(line + "\n")
-        self.stdout.flush()
+            print(f"[strata trace] -> {line[:300]}", file=sys.stderr, flush=True)
+        self._out.append(line + "\n")
+
+    def flush(self) -> None:
+        if self._out:
+            self.stdout.write("".join(self._out))
+            self.stdout.flush()
+            self._out.clear()
 
     def _read(self) -> None:
         for line in self.stdin:
@@ -38,6 +45,7 @@ class Pipe:
     def serve(self, scheduler: Scheduler) -> None:
         threading.Thread(target=self._read, name="strata-stdin", daemon=True).start()
         self.emit(protocol.ready(scheduler.facts()))
+        self.flush()
         closed = False
         while not (closed and not scheduler.busy):
             pending = []
@@ -55,7 +63,10 @@ class Pipe:
                 if not line.strip():
                     continue
                 if self.trace:
-                    print(f"[strata trace] <- {line.strip()}", file=sys.stderr, flush=True)
+                    print(f"[strata trace] <- {line.strip()[:300]}", file=sys.stderr, flush=True)
                 if not scheduler.handle(line):
+                    self.flush()
                     return
+            self.flush()  # answers to the commands (WAIT, ERR) before the window runs
             scheduler.step()
+            self.flush()

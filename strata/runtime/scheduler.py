@@ -1,8 +1,11 @@
-"""The engine's scheduler: turns protocol commands into work and work into events.
+"""The engine's scheduler: owns the waiting line, gives requests slots, and turns windows into events.
 
 It runs in-process (tests drive `handle` and `step` directly) and inside the `strata engine` process
-(`strata.runtime.pipe` only moves lines between the pipes and this object). One `step` runs one solo decode
-step, if a solo generation is running, and one batch window over the active slots.
+(`strata.runtime.pipe` only moves lines between the pipes and this object). Requests arrive by id (`ADD`) and
+wait in arrival order, at most `max_waiting` of them (beyond: `ERR <id> full`). Before each window every waiting
+request that a free slot can take is given one (the windows in flight are read first, so a slot never changes
+hands under a row of its previous owner); its prompt is then read inside the windows, beside the decoding rows
+(`strata.runtime.slots`). One `step` launches what may run and reads one window.
 """
 
 from __future__ import annotations
@@ -10,40 +13,48 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Iterator
+from collections import OrderedDict
+from typing import Callable
 
 from strata import protocol
 from strata.errors import StrataError
-from strata.protocol import BGen, BStop, Gen, ProtocolError, Quit, Request, Stop
+from strata.protocol import Abort, Add, ProtocolError, Quit, Request
 from strata.runtime.generate import Engine
 from strata.runtime.slots import Event
+from strata.state.parking import reusable
 
 log = logging.getLogger("strata.engine")
 
+DEFAULT_MAX_WAITING = 256
+
 
 class Scheduler:
-    def __init__(self, engine: Engine, num_slots: int, emit: Callable[[str], None]):
+    def __init__(self, engine: Engine, num_slots: int, emit: Callable[[str], None],
+                 max_waiting: int = DEFAULT_MAX_WAITING):
+        if max_waiting < 0:
+            raise StrataError(f"--max-waiting {max_waiting}: give 0 or more requests")
         self.engine = engine
-        self.slots = engine.init_slots(num_slots) if num_slots else None
+        self.slots = engine.init_slots(num_slots)
         self.emit = emit
-        self._solo: Iterator[tuple[int, str | None]] | None = None
-        self._solo_counts = (0, 0, 0)  # prompt tokens, generated tokens, prompt tokens reused
+        self.max_waiting = max_waiting
+        self.waiting: OrderedDict[str, Request] = OrderedDict()  # arrival order
+        self.owner: list[str | None] = [None] * num_slots  # the request each slot runs
+        self.running: dict[str, int] = {}  # request id -> slot
         self._parked = (0, 0)  # the conversations and bytes the last PARKED event reported
         self._pools = [p for stage in engine.stages for p in stage.forward.pools.values()]  # CPU expert pools
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
-        self._solo_state = engine.new_state()
 
     @property
     def busy(self) -> bool:
-        return self._solo is not None or bool(self.slots and (self.slots.active or self.slots.in_flight))
+        return bool(self.waiting or self.slots.active or self.slots.in_flight)
 
     def facts(self) -> dict:
         spec = self.engine.spec
         return {"family": spec.family, "vocab_size": spec.vocab_size, "num_layers": spec.num_layers,
-                "max_cells": self.engine.max_cells, "batch": len(self.slots) if self.slots else 0,
-                "batch_groups": len(self.slots.groups) if self.slots else 0,
-                "lookahead": self.slots.lookahead if self.slots else 0, "stages": len(self.engine.stages),
+                "max_cells": self.engine.max_cells, "batch": len(self.slots),
+                "batch_groups": len(self.slots.groups), "max_window_tokens": self.slots.budget,
+                "max_waiting": self.max_waiting, "lookahead": self.slots.lookahead, "stages": len(self.engine.stages),
                 "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
                 "expert_residency": self.engine.expert_residency(), "pid": os.getpid()}
 
@@ -52,31 +63,101 @@ class Scheduler:
         try:
             command = protocol.parse_command(line)
         except ProtocolError as e:
-            self.emit(protocol.err(str(e)))
+            self.emit(protocol.err(protocol.command_id(line), protocol.ERR_INVALID, str(e)))
             return True
+        if isinstance(command, Quit):
+            return False
         try:
-            if isinstance(command, Quit):
-                return False
-            if isinstance(command, Gen):
-                self._start_solo(command.request)
-            elif isinstance(command, Stop):
-                self._stop_solo()
-            elif isinstance(command, BGen):
-                self._admit(command.slot, command.request)
-            elif isinstance(command, BStop):
-                self._stop_slot(command.slot)
+            if isinstance(command, Add):
+                self._add(command.id, command.request)
+            elif isinstance(command, Abort):
+                self._abort(command.id)
         except StrataError as e:
-            self.emit(protocol.err(str(e)))
-            if isinstance(command, BGen):
-                self.emit(protocol.badm(command.slot, False))
+            self.emit(protocol.err(command.id, protocol.ERR_INVALID, str(e)))
         except Exception as e:  # keep serving the other conversations
-            log.exception("internal error on %r", line)
-            self.emit(protocol.err(f"internal error: {type(e).__name__}: {e}"))
-            if isinstance(command, BGen):
-                self.emit(protocol.badm(command.slot, False))
-        self._report_parking()
-        self._report_experts()
+            log.exception("internal error on %r", line[:200])
+            self.emit(protocol.err(command.id, protocol.ERR_INTERNAL, f"internal error: {type(e).__name__}: {e}"))
         return True
+
+    def step(self) -> None:
+        """Give waiting requests free slots, launch what may run and read one window; emit what it gave."""
+        self._admit_waiting()
+        self._emit_events(self.slots.step())
+        self._report_experts()
+
+    # requests
+
+    def _stops(self, request: Request) -> frozenset[int]:
+        tok = self.engine.tokenizer
+        model_stops = tok.stop_ids if tok and not request.ignore_eos else frozenset()
+        return model_stops | request.stop_ids
+
+    def _add(self, rid: str, request: Request) -> None:
+        if rid in self.waiting or rid in self.running:
+            raise StrataError(f"request id {rid} is already in use; give each request its own id")
+        self.slots.check_request(request.ids, request.max_new, request.params)
+        if len(self.waiting) >= self.max_waiting and not self._could_start_now():
+            self.emit(protocol.err(rid, protocol.ERR_FULL, f"the waiting line is full ({self.max_waiting} requests, "
+                                                            "--max-waiting); retry later"))
+            return
+        self.waiting[rid] = request
+        self.emit(protocol.wait(rid))
+
+    def _could_start_now(self) -> bool:
+        """Whether a request added now gets a slot at the next window without waiting behind others."""
+        return not self.waiting and any(not s.active for s in self.slots.slots)
+
+    def _abort(self, rid: str) -> None:
+        """End the request now, waiting or running; an id that is not known (already ended) is ignored."""
+        if rid in self.waiting:
+            request = self.waiting.pop(rid)
+            self.emit(protocol.end(rid, "abort", len(request.ids), 0, 0))
+        elif rid in self.running:
+            index = self.running.pop(rid)
+            slot = self.slots.slots[index]
+            self.slots.stop(index)
+            self.owner[index] = None
+            self.emit(protocol.end(rid, "abort", slot.num_prompt, len(slot.generated), slot.num_reused))
+
+    def _admit_waiting(self) -> None:
+        """Give each waiting request, in arrival order, a free slot: the one holding the longest reusable prefix of
+        its prompt, else the one idle longest (what recently ended stays for its follow-up)."""
+        if not self.waiting or all(s.active for s in self.slots.slots):
+            return
+        self._emit_events(self.slots.flush())  # a slot changes hands only with no window in flight
+        truncatable = self.engine.parking.truncatable
+        while self.waiting:
+            free = self.slots.free
+            if not free:
+                break
+            rid, request = next(iter(self.waiting.items()))
+            del self.waiting[rid]
+            best = max(free, key=lambda i: (reusable(self.slots.slots[i].state.tokens, request.ids, truncatable),
+                                            -self.slots.slots[i].released))
+            try:
+                reused = self.slots.admit(best, request.ids, request.max_new, request.params, self._stops(request))
+            except StrataError as e:
+                self.emit(protocol.err(rid, protocol.ERR_INVALID, str(e)))
+                continue
+            self.owner[best], self.running[rid] = rid, best
+            self.emit(protocol.run(rid, reused))
+        self._report_parking()
+
+    # events
+
+    def _emit_events(self, events: list[Event]) -> None:
+        for decode_rows, prompt_rows in self.slots.take_read_log():
+            self.emit(protocol.window(decode_rows, prompt_rows))
+        if not events:
+            return
+        self.emit(protocol.tokens([(self.owner[e.slot], e.token) for e in events]))
+        for e in events:
+            if e.finish_reason:
+                rid = self.owner[e.slot]
+                slot = self.slots.slots[e.slot]
+                self.owner[e.slot] = None
+                del self.running[rid]
+                self.emit(protocol.end(rid, e.finish_reason, slot.num_prompt, len(slot.generated), slot.num_reused))
 
     def _report_experts(self) -> None:
         """Say EXPERTS (running totals of the pooled layers' routed pairs, computed on the device / on the CPU)
@@ -97,91 +178,3 @@ class Scheduler:
         if (lot.conversations, lot.nbytes) != self._parked:
             self._parked = (lot.conversations, lot.nbytes)
             self.emit(protocol.parked(*self._parked))
-
-    def _idle_slot_states(self) -> list:
-        """The idle slots' sequences: a solo run may copy a prefix from them."""
-        return [s.state for s in self.slots.slots if not s.active] if self.slots else []
-
-    def step(self) -> None:
-        self._step()
-        self._report_experts()
-
-    def _step(self) -> None:
-        if self._solo is not None:
-            self._advance_solo()
-        if self.slots is not None:
-            self._emit_slot_events(self.slots.step())
-
-    def _drain(self) -> None:
-        """Read every window in flight (before a slot changes hands or a solo run looks at idle slots)."""
-        if self.slots is not None:
-            self._emit_slot_events(self.slots.flush())
-
-    # solo path
-
-    def _stops(self, request: Request) -> frozenset[int]:
-        tok = self.engine.tokenizer
-        model_stops = tok.stop_ids if tok and not request.ignore_eos else frozenset()
-        return model_stops | request.stop_ids
-
-    def _start_solo(self, request: Request) -> None:
-        if self._solo is not None:
-            raise StrataError("a solo generation is already running; send STOP and wait for its DONE first")
-        self.engine.check_prompt(request.ids)
-        request.params.validate()
-        self._solo_counts = (len(request.ids), 0, 0)
-        if request.max_new == 0:
-            self.emit(protocol.done("length", len(request.ids), 0, 0))
-            return
-        self._drain()  # an idle slot may still have a row in flight
-        reused = self.engine.reuse(self._solo_state, request.ids, self._idle_slot_states())
-        self._solo_counts = (len(request.ids), 0, reused)
-        self._solo = self.engine.stream(request.ids, request.max_new, request.params, self._stops(request),
-                                        state=self._solo_state)
-        self._advance_solo()  # reads the prompt and yields the first token
-
-    def _advance_solo(self) -> None:
-        token, reason = next(self._solo)
-        prompt, generated, reused = self._solo_counts
-        self._solo_counts = (prompt, generated + 1, reused)
-        self.emit(protocol.token(token))
-        if reason is not None:
-            self._solo.close()
-            self._solo = None
-            self.emit(protocol.done(reason, prompt, generated + 1, reused))
-
-    def _stop_solo(self) -> None:
-        if self._solo is None:
-            return  # idempotent: the generation had already ended with its DONE
-        self._solo.close()
-        self._solo = None
-        self.emit(protocol.done("abort", *self._solo_counts))
-
-    # batch slots
-
-    def _require_slots(self):
-        if self.slots is None:
-            raise StrataError("this engine has no batch slots; start it with --batch N")
-        return self.slots
-
-    def _admit(self, index: int, request: Request) -> None:
-        slots = self._require_slots()
-        self._drain()
-        event = slots.admit(index, request.ids, request.max_new, request.params, self._stops(request),
-                            idle=[self._solo_state] if self._solo is None else [], resumed=request.resume)
-        self.emit(protocol.badm(index, True, slots.reused))
-        self._emit_slot_events([event])
-
-    def _stop_slot(self, index: int) -> None:
-        slots = self._require_slots()
-        self._drain()
-        slot = slots.check_slot(index)
-        if slots.stop(index):
-            self.emit(protocol.bdone(index, "abort", slot.num_prompt, len(slot.generated)))
-
-    def _emit_slot_events(self, events: list[Event]) -> None:
-        for e in events:
-            self.emit(protocol.btoken(e.slot, e.token))
-            if e.finish_reason:
-                slot = self.slots.slots[e.slot]
-                self.emit(protocol.bdone(e.slot, e.finish_reason, slot.num_prompt, len(slot.generated)))

@@ -1,20 +1,32 @@
-"""Batch slots: several conversations decoded together, one row per active slot in each window.
+"""Batch slots: the conversations the engine runs, and the windows that run them.
 
-Each slot owns a `SessionState` carved like the solo one. A slot's prompt is read through the solo path
-(a prompt window of its own), then every batch window holds one row per active slot, so the weights are
-read once for all of them. Rows compute exactly as a solo decode row does (row-invariant products, the
-same per-row sampling keyed by (seed, position)), so a conversation gets the same tokens alone or batched.
+Each slot owns a `SessionState` in one `StatePool`. `admit` gives a slot a request; its prompt is then read
+inside the windows. Every window holds, in this order and within the token budget (`Engine.max_window_tokens`,
+`--max-window-tokens`):
+
+1. one row per decoding slot (its last token), so a running stream advances in every window;
+2. prompt rows of the slots still reading their prompt, in admission order: a prompt longer than what is left
+   of the budget spans several windows, several short ones share one.
+
+A slot's first token is sampled from the window holding its prompt's last row; from the next window on it
+decodes. Decoding rows run exactly as a decode window of their own (row-invariant products, the same per-row
+sampling keyed by (seed, position); `Forward.run_stage`), so a decoding row's logits are bitwise the same alone,
+batched, and beside any prompt rows. Prompt rows share their windows' weight reads, which may round a prompt's
+state differently by what is read beside it (as any batched prefill does); its tokens are the same but for
+rounding ties.
 
 Stepping (`step`) keeps windows in flight and reads them in launch order. With `lookahead` 1 (the default on a
-GPU) each group's next window is launched before its window in flight is read: its input tokens are that
+GPU) each group's next window is launched before its window in flight is read: its decoding rows take that
 window's sampled tokens, still on the device, so the host builds, launches and reads while the device computes
 and the device never waits for the host. A conversation that ends on a stop token has had one more row launched
 behind it: that row is computed and committed (the state then holds the stop token too, as the tokens it has
-read say) and gives no event. Rows that certainly end (max_new, max_cells) are not launched.
+read say) and gives no event. Rows that certainly end (max_new, max_cells) are not launched. A slot changes hands
+only when no window is in flight (`flush`), so an admission never races a row of the slot's previous owner.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,6 +40,8 @@ from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.window import Window, host_copy, row_tensor
 from strata.state.session import SessionState
 
+_order = itertools.count(1)  # admissions and releases, in the order they happened
+
 
 @dataclass
 class Slot:
@@ -37,13 +51,22 @@ class Slot:
     max_new: int = 0
     stop_ids: frozenset[int] = frozenset()
     num_prompt: int = 0
+    num_reused: int = 0  # prompt tokens taken from a held or parked state at admission
+    unread: list[int] = field(default_factory=list)  # prompt ids not yet put in a window
     generated: list[int] = field(default_factory=list)
     seen_prompt: torch.Tensor | None = None  # [V] bool, only with penalties
     counts: torch.Tensor | None = None  # [V] int32 counts of generated tokens, only with penalties
+    admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
+    released: int = 0  # when it last went idle (`_order`)
 
     @property
     def next_token(self) -> int:
         return self.generated[-1]
+
+    @property
+    def reading(self) -> bool:
+        """Admitted, and some of its prompt is not in a window yet."""
+        return self.active and bool(self.unread)
 
 
 @dataclass
@@ -57,16 +80,23 @@ class Event:
 
 @dataclass
 class SlotWindow:
-    """A launched batch window: its rows (one per slot in `slots`) and, once run, their logits and tokens."""
+    """A launched window: its rows' slots and, once run, their logits and sampled tokens."""
 
     window: Window
-    slots: list[int]
+    decoding: list[int]  # the slots with a decode row, the window's first rows, in order
+    samplers: list[int]  # the slots that sample a token from this window (logit-row order)
+    prompt_rows: int = 0  # rows of prompt chunks
     logits: torch.Tensor | None = None
     future: Future | None = None  # the pipeline's (pipelined groups): done once every stage has queued its share
     group: int = 0
-    sampled: torch.Tensor | None = None  # [R] int64 on the last stage's device: each row's next token
+    sampled: torch.Tensor | None = None  # [N] int64 on the last stage's device: each sampler's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
+    read: bool = False  # its events were taken (`_read`)
+
+    @property
+    def num_rows(self) -> int:
+        return self.window.num_rows
 
 
 class Slots:
@@ -85,6 +115,12 @@ class Slots:
         self.slots = [Slot(state) for state in self.pool.sessions()]
         bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
+        self.budget = engine.max_window_tokens
+        largest = max(len(g) for g in self.groups)
+        if self.budget < largest:
+            raise StrataError(f"--max-window-tokens {self.budget} is below the {largest} slots of a group (--batch "
+                              f"{num_slots}, --batch-groups {num_groups}): every decoding slot needs its row in each "
+                              "window; raise --max-window-tokens or lower --batch")
         self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
         if lookahead is None:
             lookahead = engine.lookahead
@@ -92,6 +128,7 @@ class Slots:
             raise StrataError(f"--lookahead {lookahead}: a group runs at most one window ahead (0 or 1)")
         self.lookahead = lookahead
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
+        self._read_log: deque[tuple[int, int]] = deque(maxlen=4096)  # (decode rows, prompt rows) of windows read
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -100,80 +137,93 @@ class Slots:
     def active(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s.active]
 
+    @property
+    def free(self) -> list[int]:
+        """The slots a request may be given now (idle, no window in flight)."""
+        return [] if self._flight else [i for i, s in enumerate(self.slots) if not s.active]
+
     def check_slot(self, index: int) -> Slot:
         if not 0 <= index < len(self.slots):
             raise StrataError(f"slot {index} does not exist (slots are 0..{len(self.slots) - 1})")
         return self.slots[index]
 
-    def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), resumed: int = 0) -> Event:
-        """Read the prompt into the slot (the solo path's prompt window) and sample its first token.
-
-        The longest reusable prefix of the prompt that the slot itself, another idle slot, an `idle` sequence
-        (e.g. the solo session just STOPped) or a parked conversation holds is kept (`Engine.reuse`; what the slot
-        held otherwise is parked) and only the rest is read; `self.reused` counts the tokens kept. So a solo
-        conversation moved into a slot continues exactly as it would have alone (its last token is read by a
-        one-row decode window). `resumed`: the last so many prompt ids were generated earlier by this same
-        request; they count as its output (for `max_new`, the penalties and the reported counts)."""
-        slot = self.check_slot(index)
-        if slot.active:
-            raise StrataError(f"slot {index} is busy; stop it (BSTOP) and wait for its BDONE first")
-        if self._flight:
-            raise StrataError("batch windows are in flight: read them (flush) before admitting a conversation")
-        if not 0 <= resumed < len(prompt_ids):
-            raise StrataError(f"resume={resumed}: it must leave at least one prompt token")
-        if max_new <= resumed:
-            raise StrataError(f"max_new {max_new}: a slot must generate at least one token (beyond resume={resumed})")
+    def check_request(self, prompt_ids: list[int], max_new: int, params: SamplingParams) -> None:
+        """Refuse what no slot could run (StrataError naming the input)."""
+        if max_new < 1:
+            raise StrataError(f"max_new {max_new}: a request must generate at least one token")
         self.engine.check_prompt(prompt_ids)
         params.validate()
+
+    def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
+              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = ()) -> int:
+        """Give the slot a request; its prompt is read in the next windows (`step`, `run_slots`). Returns the
+        prompt tokens reused instead of read.
+
+        The longest reusable prefix of the prompt that the slot itself, another idle slot, an `idle` sequence or a
+        parked conversation holds is kept (`Engine.reuse`; what the slot held otherwise is parked) and only the
+        rest is read; at least one token is always read, since its row gives the first new token."""
+        slot = self.check_slot(index)
+        if slot.active:
+            raise StrataError(f"slot {index} is busy; stop it and wait for its end first")
+        if self._flight:
+            raise StrataError("windows are in flight: read them (flush) before admitting a conversation")
+        self.check_request(prompt_ids, max_new, params)
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
-        num_prompt = len(prompt_ids) - resumed
-        slot.params, slot.max_new, slot.num_prompt = params, max_new, num_prompt
-        slot.generated = list(prompt_ids[num_prompt:])
+        slot.params, slot.max_new, slot.num_prompt = params, max_new, len(prompt_ids)
+        slot.generated = []
         slot.seen_prompt = slot.counts = None
         if params.has_penalties:
             vocab, device = self.engine.spec.vocab_size, self.engine.stages[-1].device
             slot.seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            slot.seen_prompt[torch.tensor(prompt_ids[:num_prompt], device=device)] = True
+            slot.seen_prompt[torch.tensor(prompt_ids, device=device)] = True
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-            if resumed:
-                slot.counts.index_add_(0, torch.tensor(slot.generated, device=device),
-                                       torch.ones(resumed, dtype=torch.int32, device=device))
         others = [s.state for s in self.slots if not s.active] + list(idle)
-        self.reused = self.engine.reuse(slot.state, prompt_ids, others)
-        logits = self.engine.run(slot.state, prompt_ids[self.reused :])
-        slot.active = True
-        return self._take(index, logits[-1:])[0]
+        self.reused = slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
+        slot.unread = list(prompt_ids[self.reused :])
+        slot.active, slot.admitted = True, next(_order)
+        return self.reused
 
     def stop(self, index: int) -> bool:
         """Free a slot now; False when it was not active. Its rows in windows still in flight are committed when
         read and give no event."""
         slot = self.check_slot(index)
-        was_active, slot.active = slot.active, False
+        was_active = slot.active
+        self._release(slot)
         return was_active
+
+    def _release(self, slot: Slot) -> None:
+        if slot.active:
+            slot.active, slot.unread, slot.released = False, [], next(_order)
+
+    def take_read_log(self) -> list[tuple[int, int]]:
+        """(decode rows, prompt rows) of each window read since the last call (`vllm:iteration_tokens_total`)."""
+        log = list(self._read_log)
+        self._read_log.clear()
+        return log
 
     @property
     def in_flight(self) -> bool:
         return bool(self._flight)
 
+    @property
+    def reading(self) -> bool:
+        return any(s.reading for s in self.slots)
+
     # synchronous stepping (tests, calibration): one window, run and committed
 
     def run_slots(self) -> SlotWindow | None:
-        """Run one batch window over the active slots (None when none is active)."""
+        """Run one window over every active slot, as one group (None when no slot has a row to run)."""
         assert not self._flight, "run_slots with windows in flight: flush them first"
-        rows = self.active
-        if not rows:
+        sw = self._build(range(len(self.slots)), None, 0)
+        if sw is None:
             return None
-        sw = SlotWindow(Window.build([(self.slots[i].state, [self.slots[i].next_token], False) for i in rows],
-                                     self.engine.device), rows)
-        sw.logits = self.engine.forward(sw.window)
+        self._then(sw, self.engine.forward(sw.window))
         return sw
 
     def commit_slots(self, sw: SlotWindow) -> list[Event]:
-        """Keep every row of the window, then sample each slot's next token."""
-        sw.window.commit()
-        return self._take(sw.slots, sw.logits)
+        """Keep every row of the window, then give each sampling slot its next token."""
+        return self._read(sw)
 
     # stepping with windows in flight (the scheduler, benchmarks)
 
@@ -196,49 +246,74 @@ class Slots:
             events += self._read(self._flight.popleft())
         return events
 
-    def _launch(self, group: int) -> None:
-        """Launch the group's next window, if it has a row to run. With a window of the group in flight
-        (lookahead), the rows are that window's slots that are still active and not certain to end, and each
-        takes the token its row there sampled, on the device; otherwise every active slot of the group takes its
-        last token from the host."""
-        latest = next((sw for sw in reversed(self._flight) if sw.group == group), None)
+    def _build(self, members: range, latest: SlotWindow | None, group: int) -> SlotWindow | None:
+        """The next window of these slots: a row per decoding slot, then prompt chunks within the budget; its
+        rows' positions become the states' (prompt tokens join `state.tokens` now, a decode row's once read).
+        With a window of theirs in flight (`latest`), the decoding slots are that window's samplers that are still
+        active and not certain to end, and take the tokens it sampled, on the device."""
         if latest is None:
-            rows = [i for i in self.groups[group] if self.slots[i].active]
-        else:  # a slot joins a group only after a flush, so every row continues one of the latest window's
-            rows = [i for i in latest.slots if self.slots[i].active and not self._ends_after_pending(i)]
-        if not rows:
+            decoding = [i for i in members if self.slots[i].active and not self.slots[i].unread]
+        else:  # a slot decodes only after the window holding its prompt's last row, which is `latest` or older
+            decoding = [i for i in latest.samplers if self.slots[i].active and not self._ends_after_pending(i)]
+        left = self.budget - len(decoding)
+        chunks: list[tuple[int, list[int]]] = []
+        for i in sorted((i for i in members if self.slots[i].reading), key=lambda i: self.slots[i].admitted):
+            if left <= 0:
+                break
+            slot = self.slots[i]
+            ids, slot.unread = slot.unread[:left], slot.unread[left:]
+            chunks.append((i, ids))
+            left -= len(ids)
+        if not decoding and not chunks:
+            return None
+        chunks.sort(key=lambda c: len(c[1]) != 1)  # one-row chunks join the decode rows (`Window.split`)
+        unread_left = {i for i, _ in chunks if self.slots[i].unread}  # chunks that are not their prompt's last
+        parts = [(self.slots[i].state, [0 if latest is not None else self.slots[i].next_token], False) for i in decoding]
+        parts += [(self.slots[i].state, ids, False if i not in unread_left else None) for i, ids in chunks]
+        window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
+        samplers = decoding + [i for i, _ in chunks if i not in unread_left]
+        sw = SlotWindow(window, decoding, samplers, sum(len(ids) for _, ids in chunks), group=group)
+        for i in decoding:  # the row's position is the state's now; its token joins `state.tokens` when read
+            self.slots[i].state.length += 1
+        for i, ids in chunks:
+            self.slots[i].state.length += len(ids)
+            self.slots[i].state.tokens += ids
+        return sw
+
+    def _launch(self, group: int) -> None:
+        """Launch the group's next window, if it has a row to run (`_build`)."""
+        latest = next((sw for sw in reversed(self._flight) if sw.group == group), None)
+        sw = self._build(self.groups[group], latest, group)
+        if sw is None:
             return
-        parts = [(self.slots[i].state, [self.slots[i].next_token if latest is None else 0], False) for i in rows]
-        window = Window.build(parts, self.engine.device, fed=latest is not None)
-        sw = SlotWindow(window, rows, group=group)
-        params = [self.slots[i].params for i in rows]
-        positions = [p + 1 for p in window.host[1]]  # the position each sampled token will take
-
-        def then(logits: torch.Tensor) -> None:  # on the last stage's device (its worker, for pipelined groups)
-            sw.logits = logits
-            sw.sampled = self._sample(rows, logits, params, positions)
-            sw.host, sw.copied = host_copy(sw.sampled)
-
         feed = None
-        if latest is not None:
-            row_of = {slot: j for j, slot in enumerate(latest.slots)}
-            index = None if rows == latest.slots else [row_of[i] for i in rows]
+        if latest is not None and sw.decoding:
+            row_of = {slot: j for j, slot in enumerate(latest.samplers)}
+            index = None if sw.decoding == latest.samplers else [row_of[i] for i in sw.decoding]
 
             def feed() -> tuple[Handoff, list[int] | None]:  # the latest window's tokens, once it is queued
                 if latest.future is not None:
                     latest.future.result()
                 return Handoff(latest.sampled, latest.copied), index
 
+        window = sw.window
         if len(self.groups) == 1:
             if feed is not None:
                 sent, index = feed()
-                window.tokens = sent.x if index is None else sent.x[row_tensor(index, torch.int64, sent.x.device)]
-            then(self.engine.forward(window))
+                window = sw.window = window.feed(sent.x if index is None else
+                                                 sent.x[row_tensor(index, torch.int64, sent.x.device)])
+            self._then(sw, self.engine.forward(window))
         else:  # fed and sampled in the stages' workers: the host thread only queues
-            sw.future = self.engine.pipeline.launch(window, tokens=feed, then=then)
-        for i in rows:  # the row's position is the state's now; its token joins `state.tokens` when read
-            self.slots[i].state.length += 1
+            sw.future = self.engine.pipeline.launch(window, tokens=feed, then=lambda logits: self._then(sw, logits))
         self._flight.append(sw)
+
+    def _then(self, sw: SlotWindow, logits: torch.Tensor) -> None:
+        """Sample each sampler's next token on the device and start its copy to the host (on the last stage's
+        device; in its worker for pipelined groups)."""
+        sw.logits = logits
+        positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
+        sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions)
+        sw.host, sw.copied = host_copy(sw.sampled)
 
     def _ends_after_pending(self, index: int) -> bool:
         """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
@@ -246,18 +321,23 @@ class Slots:
         return len(slot.generated) + 1 >= slot.max_new or slot.state.length + 1 >= slot.state.max_cells
 
     def _read(self, sw: SlotWindow) -> list[Event]:
-        """Wait for the window's tokens, commit its rows and record each active slot's token."""
+        """Wait for the window's tokens, commit its rows and record each active sampler's token."""
         if sw.future is not None:
             sw.future.result()
         if sw.copied is not None:
             sw.copied.synchronize()
-        for i in sw.slots:
+        for i in sw.decoding:
             self.slots[i].state.tokens.append(self.slots[i].next_token)
-        return self._record(sw.slots, sw.host.tolist(), [p + 1 for p in sw.window.host[1]])
+        sw.read = True
+        self._read_log.append((len(sw.decoding), sw.prompt_rows))
+        lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
+        return self._record(sw.samplers, sw.host.tolist() if sw.samplers else [], lengths)
 
     def _sample(self, indices: list[int], logits: torch.Tensor, params: list[SamplingParams],
                 positions: list[int]) -> torch.Tensor:
         """Each row's next token, on the device (no host sync); the penalty counts of its slot count it."""
+        if not indices:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
         slots = [self.slots[i] for i in indices]
         seen = counts = None
         if any(p.has_penalties for p in params):
@@ -271,14 +351,6 @@ class Slots:
             if s.counts is not None:
                 s.counts.index_add_(0, tokens[j : j + 1], torch.ones(1, dtype=torch.int32, device=tokens.device))
         return tokens
-
-    def _take(self, indices: int | list[int], logits: torch.Tensor) -> list[Event]:
-        """Sample one token per row now (the host waits for it) and record it."""
-        indices = [indices] if isinstance(indices, int) else indices
-        slots = [self.slots[i] for i in indices]
-        lengths = [s.state.length for s in slots]
-        tokens = self._sample(indices, logits, [s.params for s in slots], lengths)
-        return self._record(indices, tokens.tolist(), lengths)
 
     def _record(self, indices: list[int], tokens: list[int], lengths: list[int]) -> list[Event]:
         """Give each active slot its token and end the slots that are done. lengths[j]: the positions slot j held
@@ -295,6 +367,6 @@ class Slots:
             elif len(slot.generated) >= slot.max_new or length + 1 >= slot.state.max_cells:
                 reason = "length"
             if reason:
-                slot.active = False
+                self._release(slot)
             events.append(Event(i, token, reason))
         return events

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -184,7 +184,7 @@ class Pipeline:
 
             def work(st=stage, p=prev, local=window.on(stage.device)):  # row tensors made here, on the host thread
                 if st.index == 0 and tokens is not None:
-                    local = replace(local, tokens=self._fed_tokens(st, *tokens()))
+                    local = local.feed(self._fed_tokens(st, *tokens()))
                 out = self._stage(st, local, p.result() if p else None)
                 if st.index < last:
                     return out

@@ -47,13 +47,15 @@ class Segment:
 
 @dataclass
 class Window:
-    tokens: torch.Tensor | None  # [R] int64; None until fed (a batch window whose tokens are still being sampled)
+    tokens: torch.Tensor | None  # [R] int64; None until fed (its first `fed` rows' tokens are still being sampled)
     positions: torch.Tensor  # [R] int64
     segments: list[Segment]
     logit_rows: torch.Tensor  # [N] int64: the rows whose next-token logits are wanted
     pool: StatePool | None = None  # the pool holding every segment's state, when they share one
     seq_ids: torch.Tensor | None = None  # [S] int32: each segment's index in `pool`
-    host: tuple[list[int] | None, ...] | None = None  # tokens (None: on the device only), positions, logit rows, seq ids
+    host: tuple[list[int], ...] | None = None  # tokens (0 for fed rows), positions, logit rows, seq ids
+    fed: int = 0  # leading rows whose tokens come from the device (`feed`)
+    tail: torch.Tensor | None = None  # with `fed`: the other rows' tokens, on the device
 
     @property
     def num_rows(self) -> int:
@@ -61,15 +63,16 @@ class Window:
 
     @property
     def is_decode(self) -> bool:
-        """One row per sequence: the shape of a solo decode step and of a batch window."""
+        """One row per sequence: the shape of a decode window."""
         return len(self.segments) == self.num_rows
 
     @classmethod
-    def build(cls, parts: list[tuple[SessionState, list[int], bool]], device: torch.device,
-              fed: bool = False) -> "Window":
-        """parts: (state, token ids continuing that state, whether every row wants logits — else only the last).
-        `fed`: the rows' tokens are on the device only (sampled by the window before): the ids just count the rows,
-        and `tokens` stays None until the caller sets it."""
+    def build(cls, parts: list[tuple[SessionState, list[int], bool | None]], device: torch.device,
+              fed: int = 0) -> "Window":
+        """parts: (state, token ids continuing that state, which rows want logits: True every row, False the last
+        row, None none — a prompt chunk that is not its prompt's last).
+        `fed`: the first so many rows take their tokens from the device (sampled by the window before; `feed`):
+        their ids here only count the rows, and `tokens` stays None until the caller feeds them."""
         tokens, positions, segments, logit_rows = [], [], [], []
         row = 0
         for state, ids, all_logits in parts:
@@ -77,15 +80,20 @@ class Window:
             segments.append(Segment(state, row, row + len(ids), state.length))
             tokens += ids
             positions += range(state.length, state.length + len(ids))
-            logit_rows += range(row, row + len(ids)) if all_logits else [row + len(ids) - 1]
+            if all_logits is not None:
+                logit_rows += range(row, row + len(ids)) if all_logits else [row + len(ids) - 1]
             row += len(ids)
         as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
         pools = {id(s.state.pool): s.state.pool for s in segments}
         pool = next(iter(pools.values())) if len(pools) == 1 else None
         seq_list = [s.state.index for s in segments]
-        host_tokens = None if fed else tokens
+        tail = as_tensor(tokens[fed:]) if fed and len(tokens) > fed else None
         return cls(None if fed else as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool,
-                   row_tensor(seq_list, torch.int32, device), (host_tokens, positions, logit_rows, seq_list))
+                   row_tensor(seq_list, torch.int32, device), (tokens, positions, logit_rows, seq_list), fed, tail)
+
+    def feed(self, tokens: torch.Tensor) -> "Window":
+        """This window with its first `fed` rows' tokens given (on the device), the others' appended."""
+        return replace(self, tokens=tokens if self.tail is None else torch.cat([tokens, self.tail]))
 
     def on(self, device: torch.device) -> "Window":
         """This window with its row tensors on `device`, copied from the host (for a stage on another device:
@@ -94,20 +102,40 @@ class Window:
             return self
         tokens, positions, logit_rows, seq_ids = self.host
         as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
-        return replace(self, tokens=self.tokens if tokens is None else as_tensor(tokens), positions=as_tensor(positions),
-                       logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device))
+        tail = as_tensor(tokens[self.fed:]) if self.tail is not None else None
+        return replace(self, tokens=None if self.fed else as_tensor(tokens), positions=as_tensor(positions),
+                       logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device), tail=tail)
+
+    def split(self) -> tuple["Window", "Window"] | None:
+        """A mixed window as (its leading one-row segments, the rest), each a window of its own over the same row
+        tensors (views); None when the window is all one kind. The first part runs as a decode window (row-
+        invariant, a CUDA graph on the GPU), the second as a prompt window. Callers keep the one-row segments first (`Slots` builds windows so)."""
+        k = next((j for j, s in enumerate(self.segments) if s.num_rows != 1), len(self.segments))
+        if k == 0 or k == len(self.segments):
+            return None
+        r = k  # one row per leading segment
+        rest = [Segment(s.state, s.start - r, s.stop - r, s.first_pos) for s in self.segments[k:]]
+        host_logits = self.host[2]
+        tokens = (None, None) if self.tokens is None else (self.tokens[:r], self.tokens[r:])
+        decode = Window(tokens[0], self.positions[:r], self.segments[:k],
+                        row_tensor([j for j in host_logits if j < r], torch.int64, self.positions.device), self.pool,
+                        self.seq_ids[:k])
+        prompt_logits = [j - r for j in host_logits if j >= r]
+        prompt = Window(tokens[1], self.positions[r:], rest,
+                        row_tensor(prompt_logits, torch.int64, self.positions.device), self.pool, self.seq_ids[k:])
+        return decode, prompt
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
         """The row tensors on `stream`'s device are read there: keep their memory from being reused by the stream
         that made them until `stream` has run what is queued now (the caching allocator otherwise hands a freed
         block to the next tensor made on that stream, and a later window's inputs would overwrite this one's)."""
-        for t in (self.tokens, self.positions, self.logit_rows, self.seq_ids):
+        for t in (self.tokens, self.positions, self.logit_rows, self.seq_ids, self.tail):
             if t is not None and t.device == stream.device:
                 t.record_stream(stream)
 
     def commit(self) -> None:
-        """Every row was kept: advance each sequence past its rows."""
-        tokens = self.host[0] if self.host is not None and self.host[0] is not None else self.tokens.tolist()
+        """Every row was kept: advance each sequence past its rows (a window built with every token on the host)."""
+        tokens = self.host[0]
         for seg in self.segments:
             seg.state.length = seg.first_pos + seg.num_rows
             seg.state.tokens += tokens[seg.start : seg.stop]
