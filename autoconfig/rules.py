@@ -49,7 +49,7 @@ class Proposal(BaseModel):
     @property
     def label(self) -> str:
         s = self.settings
-        parts = [s["device"], f"batch {s['batch']}" if s["batch"] else "solo"]
+        parts = [s["device"], f"batch {s['batch']}"]
         if s["layer_split"]:
             parts += [f"split {s['layer_split']}", f"{s['batch_groups']} group" + "s" * (s["batch_groups"] > 1)]
         return ", ".join(parts)
@@ -69,7 +69,9 @@ def propose(facts: Facts, wishes: Wishes = Wishes(), *, num_gpus: int | None = N
     _check_fits(model, gpus, machine.host, context)
     notes = [f"{_card(g)} ({g.name}) is left out: only {gb(g.vram_free_bytes)} of its "
              f"{gb(g.vram_total_bytes)} are free" for g in machine.gpus if g not in gpus]
-    want = batch if batch is not None else (0 if wishes.concurrency == 1 else min(wishes.concurrency, MAX_SLOTS))
+    if batch is not None and not 1 <= batch <= MAX_SLOTS:
+        raise ValueError(f"batch {batch}: slots are 1 to {MAX_SLOTS} (a lone request is a slot like any other)")
+    want = batch if batch is not None else min(wishes.concurrency, MAX_SLOTS)
     if gpus:
         try:
             proposal = _gpu_proposal(model, gpus, machine.host, context, wishes, want, num_gpus, groups)
@@ -87,8 +89,8 @@ def propose(facts: Facts, wishes: Wishes = Wishes(), *, num_gpus: int | None = N
 
 
 def candidates(facts: Facts, wishes: Wishes = Wishes(), limit: int = 4) -> list[Proposal]:
-    """The rules' proposal first, then variants worth measuring (`--calibrate`): no groups, half the slots, the
-    solo path, one more card."""
+    """The rules' proposal first, then variants worth measuring (`--calibrate`): no groups, half the slots, one
+    slot, one more card."""
     base = propose(facts, wishes)
     s, stages = base.settings, max(len(base.stages), 1)
     variants: list[dict] = []
@@ -97,7 +99,7 @@ def candidates(facts: Facts, wishes: Wishes = Wishes(), limit: int = 4) -> list[
     if s["batch"] >= 4:
         variants.append(dict(batch=s["batch"] // 2))
     if s["batch"] >= 2:
-        variants.append(dict(batch=0))
+        variants.append(dict(batch=1))
     spills = any(p.budget_bytes < p.expert_bytes for p in base.stages)
     if base.stages and not spills and stages < sum(vram_capacity(g) >= GIB for g in facts.machine.gpus):
         variants.append(dict(num_gpus=stages + 1))
@@ -178,13 +180,12 @@ def _plan(model: ModelFacts, cards: list[GpuFacts], context: int, want: int,
         raise NoGpuFit(f"the dense weights and embedding ({gb(dense + sum(extras))}) do not fit the "
                         f"{gb(sum(capacity))} usable on {label}")
     per_seq = model.state_bytes(None, context, 1)
-    seqs_wanted = want + 1 if want else 1  # the slots plus the solo session
-    if room - experts >= per_seq * seqs_wanted:  # every expert stays resident: state may take the rest
-        max_seqs = int((room - experts) // per_seq) if per_seq else MAX_SLOTS + 1
+    if room - experts >= per_seq * want:  # every expert stays resident: state may take the rest
+        max_seqs = int((room - experts) // per_seq) if per_seq else MAX_SLOTS
         cap_reason = f"the {gb(room - experts)} left after all the weights"
     else:
         budget = max(room - experts, room * STATE_SHARE)
-        max_seqs = int(budget // per_seq) if per_seq else seqs_wanted
+        max_seqs = int(budget // per_seq) if per_seq else want
         cap_reason = (f"the {gb(budget)} that state may take while experts spill to RAM (of the {gb(room)} left "
                       "after the dense weights)")
         if max_seqs < 1:
@@ -195,12 +196,12 @@ def _plan(model: ModelFacts, cards: list[GpuFacts], context: int, want: int,
                                 f"(about {max(most, 0)} positions would fit)")
             max_seqs = 1
     slots, reason = _slots(want, max_seqs, per_seq, context, cap_reason)
-    num_groups = groups if groups is not None else (min(k, slots) if k > 1 and slots >= 2 else 1)
-    if slots and num_groups > 1 and slots % num_groups:
+    num_groups = min(groups, slots) if groups is not None else (min(k, slots) if k > 1 and slots >= 2 else 1)
+    if num_groups > 1 and slots % num_groups:
         up = slots + num_groups - slots % num_groups
-        slots = up if up + 1 <= max_seqs and up <= MAX_SLOTS else slots - slots % num_groups
+        slots = up if up <= max_seqs and up <= MAX_SLOTS else slots - slots % num_groups
         reason += f", rounded to {slots}: a multiple of the {num_groups} groups"
-    stages = split_layers(model, cards, capacity, extras, context, slots + 1 if slots else 1)
+    stages = split_layers(model, cards, capacity, extras, context, slots)
     for plan, card in zip(stages, cards):
         if plan.fixed_bytes + plan.state_bytes > plan.capacity_bytes:
             need = gb(plan.fixed_bytes + plan.state_bytes)
@@ -210,20 +211,20 @@ def _plan(model: ModelFacts, cards: list[GpuFacts], context: int, want: int,
 
 
 def _slots(want: int, max_seqs: int, per_seq: int, context: int, cap_reason: str) -> tuple[int, str]:
-    if want == 0:
-        return 0, ("0: one conversation at a time is expected, and the solo path serves it fastest "
-                   "(--concurrency N for more)")
-    slots = min(want, max_seqs - 1)
-    if slots < 2:
-        return 0, (f"0: {want} concurrent conversations are expected, but the state of only {max_seqs} "
-                   f"conversation(s) of {context} positions ({gb(per_seq)} each) fits in {cap_reason}; the solo path "
-                   "serves them in turn")
+    """At least one slot: `max_seqs` (the conversations whose state fits, at least 1) caps `want` (at least 1)."""
+    if want == 1:
+        return 1, (f"1: one conversation at a time is expected, so one slot ({gb(per_seq)} of state for {context} "
+                   "positions; --concurrency N for more)")
+    slots = max(min(want, max_seqs), 1)
+    if slots == 1:
+        return 1, (f"1: {want} concurrent conversations are expected, but {cap_reason} holds the state of at most "
+                   f"one conversation of {context} positions ({gb(per_seq)}): one slot serves them in turn, the "
+                   "others wait for it")
     if slots < want:
         return slots, (f"{slots}: {want} concurrent conversations are expected, but state for {context} positions "
-                       f"takes {gb(per_seq)} a conversation, and {slots} slots + the solo session are what fits in "
-                       f"{cap_reason}")
-    return slots, (f"{slots}: one slot per expected concurrent conversation; the state of {slots} slots + the solo "
-                   f"session ({gb(per_seq)} each for {context} positions) fits in {cap_reason}")
+                       f"takes {gb(per_seq)} a conversation, and {slots} slots are what fits in {cap_reason}")
+    return slots, (f"{slots}: one slot per expected concurrent conversation; the state of {slots} slots "
+                   f"({gb(per_seq)} each for {context} positions) fits in {cap_reason}")
 
 
 def _gpu_settings(model: ModelFacts, gpus: list[GpuFacts], cards: list[GpuFacts], stages: list[StagePlan],
@@ -238,7 +239,6 @@ def _gpu_settings(model: ModelFacts, gpus: list[GpuFacts], cards: list[GpuFacts]
             f"{model.name}: {gb(offloaded)} of experts do not fit the {gb(sum(p.capacity_bytes for p in stages))} "
             f"usable VRAM and must stay in RAM, but only {gb(ram_capacity(host))} of RAM is available (after the "
             "reserve for the OS); a shorter --context or fewer --concurrency frees a little VRAM, more RAM is the cure")
-    seqs = slots + 1 if slots else 1
     p = Proposal(settings={}, reasons={})
     s, why = p.settings, p.reasons
     fit = f"the model's {gb(model.weight_bytes)}"
@@ -271,18 +271,19 @@ def _gpu_settings(model: ModelFacts, gpus: list[GpuFacts], cards: list[GpuFacts]
     s["batch_groups"] = 1
     s["trim_stage_weights"] = k > 1
     if k > 1:
-        why["layer_split"] = _split_reason(model, cards, stages, context, seqs, spills)
+        why["layer_split"] = _split_reason(model, cards, stages, context, slots, spills)
         why["split_device"] = "not set: each stage has a GPU of its own"
         why["trim_stage_weights"] = (f"true: each of the {k} stages loads only its own layers' tensors, not all "
                                      f"{gb(sum(model.dense_bytes) + model.embed_bytes)} of the model's dense weights, "
                                      "so the VRAM goes to experts and state")
         s["batch_groups"] = num_groups
+        per_group = slots // num_groups
         why["batch_groups"] = (
-            f"{num_groups}: one group per stage ({slots // num_groups} slots each), so stage k runs group g while "
-            f"stage k+1 runs group g-1 and {'both' if k == 2 else f'all {k}'} cards work at once (each stage has its "
-            "own GPU)"
+            f"{num_groups}: one group per stage ({per_group} slot{'s' * (per_group != 1)} each), so stage k runs group "
+            f"g while stage k+1 runs group g-1 and {'both' if k == 2 else f'all {k}'} cards work at once (each stage "
+            "has its own GPU)"
             if num_groups > 1 else
-            "1: " + ("no batch slots to pipeline" if slots < 2 else f"the {slots} slots run as one group"))
+            "1: " + ("one slot, nothing to pipeline" if slots < 2 else f"the {slots} slots run as one group"))
     else:
         why["layer_split"] = "not set: one card holds every layer"
         why["split_device"] = "not set: no split"
@@ -371,7 +372,7 @@ def _cpu_proposal(model: ModelFacts, host: HostFacts, context: int, wishes: Wish
                              f"state for one conversation of {context} positions, more than the {gb(ram)} of RAM "
                              "available (after the reserve for the OS)")
     dtype, weights, per_seq = fitting[0]
-    max_seqs = int((ram - weights) // per_seq) if per_seq else want + 1
+    max_seqs = int((ram - weights) // per_seq) if per_seq else want
     room = f"the {gb(ram - weights)} of RAM left after the weights"
     slots, slots_reason = _slots(want, max_seqs, per_seq, context, room)
     p = Proposal(settings={}, reasons={})

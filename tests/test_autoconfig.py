@@ -255,7 +255,7 @@ def test_cpu_only_box(moe30b):
     small.host.ram_available_bytes = 110 << 30
     p = propose(Facts(machine=small, model=moe30b), Wishes())
     assert p.settings["dtype"] == "bfloat16" and "in float32 the weights would take 122.1 GB" in p.reasons["dtype"]
-    assert p.settings["batch"] == 0 and "one conversation at a time" in p.reasons["batch"]
+    assert p.settings["batch"] == 1 and "one conversation at a time is expected, so one slot" in p.reasons["batch"]
 
 
 def test_the_default_model_on_this_kind_of_box(default_facts):
@@ -277,9 +277,47 @@ def test_a_machine_too_small_says_so_with_numbers(next80b):
 def test_long_context_caps_the_slots(next80b):
     """At 262144 positions a conversation's K/V takes 6.7 GB: on 16 GB cards only a few slots fit."""
     p = propose(Facts(machine=machine("4x16gb-gen3-x8"), model=next80b), Wishes(context=262144, concurrency=8))
-    assert 0 <= p.settings["batch"] < 8
+    assert 1 <= p.settings["batch"] < 8
     assert "8 concurrent conversations are expected, but" in p.reasons["batch"]
     assert "while experts spill to RAM" in p.reasons["batch"]
+
+
+def test_one_conversation_gets_one_slot_and_no_candidate_is_batch_0(next80b, moe30b):
+    """There is no solo path: one conversation at a time is one slot, and no proposal or candidate has batch 0."""
+    for name, model in [("4x16gb-gen3-x8", next80b), ("1xh200", next80b), ("2xh200", moe30b), ("cpu-only", moe30b)]:
+        facts = Facts(machine=machine(name), model=model)
+        p = propose(facts, Wishes())
+        assert p.settings["batch"] == 1 and p.settings["batch_groups"] == 1, name
+        assert p.reasons["batch"].startswith("1: one conversation at a time is expected, so one slot"), name
+        assert "solo" not in p.reasons["batch"] and "batch 1" in p.label and "solo" not in p.label
+        for wishes in (Wishes(), Wishes(concurrency=8)):
+            assert all(c.settings["batch"] >= 1 for c in candidates(facts, wishes)), (name, wishes)
+    found = candidates(Facts(machine=machine("1xh200"), model=next80b), Wishes(concurrency=8))
+    assert [c.label for c in found] == ["cuda:0, batch 8", "cuda:0, batch 4", "cuda:0, batch 1"]
+    assert found[2].reasons["batch"] == "1: a calibration candidate (the rules chose 8)"
+    # a lone conversation offers no fewer-slots variant
+    alone = candidates(Facts(machine=machine("1xh200"), model=next80b), Wishes())
+    assert [c.label for c in alone] == ["cuda:0, batch 1"]
+
+
+def test_state_is_planned_for_exactly_the_slots(next80b, moe30b):
+    """Each slot holds one conversation's state, and nothing else does: the stages plan the state of `batch`
+    sequences, no extra one."""
+    p = propose(Facts(machine=machine("4x16gb-gen3-x8"), model=next80b), Wishes(concurrency=8))
+    assert p.settings["batch"] == 8
+    assert sum(st.state_bytes for st in p.stages) == next80b.state_bytes(None, 8192, 8)
+    assert "the state of 8 sequences x 8192 positions" in p.reasons["layer_split"]
+    assert "the state of 8 slots (0.3 GB each for 8192 positions)" in p.reasons["batch"]
+    # at 262144 positions two conversations' state fit the share state may take: two slots, one per group
+    p = propose(Facts(machine=machine("4x16gb-gen3-x8"), model=next80b), Wishes(context=262144, concurrency=8))
+    assert (p.settings["batch"], p.settings["batch_groups"]) == (2, 2)
+    assert sum(st.state_bytes for st in p.stages) == next80b.state_bytes(None, 262144, 2)
+    assert "and 2 slots are what fits in the 13.9 GB that state may take" in p.reasons["batch"]
+    # a 24 GB card with room for one 32768-position conversation's state: one slot, the others wait for it
+    p = propose(Facts(machine=machine("too-small"), model=moe30b), Wishes(context=32768, concurrency=4))
+    assert p.settings["batch"] == 1 and p.stages[0].state_bytes == moe30b.state_bytes(None, 32768, 1)
+    assert "holds the state of at most one conversation of 32768 positions" in p.reasons["batch"]
+    assert "one slot serves them in turn" in p.reasons["batch"]
 
 
 def test_a_busy_card_is_left_out(next80b):
@@ -310,6 +348,7 @@ def test_candidates_for_calibration(next80b):
     assert labels[0] == "cuda, batch 8, split 13,13,13,9, 4 groups"
     assert any("1 group" in label for label in labels) and any("batch 4" in label for label in labels)
     assert len(found) == len(set(labels)) <= 4
+    assert labels[3] == "cuda, batch 1, split 13,13,13,9, 1 group" and all(c.settings["batch"] >= 1 for c in found)
     ungrouped = next(c for c in found if "1 group" in c.label)
     assert ungrouped.reasons["batch_groups"].startswith("1: a calibration candidate (the rules chose 4)")
 
@@ -424,12 +463,12 @@ def test_calibrate_on_the_cpu_with_the_default_model(tmp_path, capsys, monkeypat
                  "--context", "64", "--write", str(config)]) == 0
     out = capsys.readouterr().out
     table = out.split("\n\n")[0]
-    assert "tokens/s" in table and "cpu, batch 2" in table and "cpu, solo" in table
+    assert "tokens/s" in table and "cpu, batch 2" in table and "cpu, batch 1" in table and "solo" not in table
     assert sum(line.startswith("*") for line in table.splitlines()) == 1
     assert "calibrated here:" in out
     written = json.loads(config.read_text())
     assert written["device"] == "cpu" and written["max_cells"] == 64 and written["model"] == "default"
-    assert written["batch"] in (0, 2)
+    assert written["batch"] in (1, 2)
 
 
 def test_facts_recorded_on_the_real_h200_machine(moe30b):

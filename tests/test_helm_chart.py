@@ -444,14 +444,14 @@ def test_schema_passes_through_kubernetes_blocks(tmp_path):
                          "tolerationSeconds": 60}],
         "startupProbe": {"exec": {"command": ["true"]}, "failureThreshold": 720, "periodSeconds": 5},
         "resources": {"requests": {"cpu": "16", "memory": "256Gi", "ephemeral-storage": "50Gi"}},
-        "extraArgs": ["--prefill-chunk", "1024"],
+        "extraArgs": ["--max-window-tokens", "1024"],
     }, "operator": {"affinity": {"podAntiAffinity": {}}, "env": [{"name": "KOPF_X", "value": "1"}]}}
     objects = helm_template(values=values, tmp_path=tmp_path)
     server = only(objects, "Deployment", "server")
     c = container(server)
     assert c["startupProbe"]["failureThreshold"] == 720
     assert c["resources"]["requests"]["ephemeral-storage"] == "50Gi" and c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert c["args"][-2:] == ["--prefill-chunk", "1024"]
+    assert c["args"][-2:] == ["--max-window-tokens", "1024"]
     assert server["spec"]["template"]["spec"]["affinity"] == values["server"]["affinity"]
     for obj in objects:
         if obj["kind"] not in PROMETHEUS_OPERATOR_KINDS:

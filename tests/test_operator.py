@@ -296,7 +296,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
                           tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                           storage={"volume": {"persistentVolumeClaim": {"claimName": "models"}}, "shmSize": "16Gi"},
                           service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
-                          engine={"extraArgs": ["--prefill-chunk", "1024"]}, monitoring={"enabled": False}),
+                          engine={"extraArgs": ["--max-window-tokens", "1024"]}, monitoring={"enabled": False}),
              dict(gpusPerReplica=0, nodeSelector={"kubernetes.io/hostname": "fresh"})]
     kinds = set()
     for spec in specs:
@@ -330,11 +330,11 @@ def test_the_configmap_is_a_config_file_that_strata_serve_reads(tmp_path):
 
 
 def test_the_deployment_runs_the_config_on_its_profiles_nodes():
-    resource_ = sd(gpusPerReplica=1, engine={"extraArgs": ["--prefill-chunk", "1024"]})
+    resource_ = sd(gpusPerReplica=1, engine={"extraArgs": ["--max-window-tokens", "1024"]})
     configmap, deployment = children(resource_)[:2]
     pod = deployment["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["args"] == ["--config", "/etc/strata/config.json", "--prefill-chunk", "1024"]
+    assert c["args"] == ["--config", "/etc/strata/config.json", "--max-window-tokens", "1024"]
     assert {"name": "STRATA_DEVICE", "value": "cuda:0"} in c["env"]  # the image's STRATA_DEVICE would beat the file
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["image"] == "strata:0.1.0"
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][

@@ -18,7 +18,7 @@ class _Camel(BaseModel):
 
 class Engine(_Camel):
     """Explicit engine settings: each one given replaces what autoconfig would choose."""
-    batch: int | None = Field(None, ge=0, le=256)
+    batch: int | None = Field(None, ge=1, le=256)
     batch_groups: int | None = Field(None, ge=1)
     layer_split: str | None = Field(None, pattern=r"^[0-9]+(,[0-9]+)*$")
     trim_stage_weights: bool | None = None
