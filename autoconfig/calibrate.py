@@ -1,8 +1,7 @@
 """`--calibrate`: measure the rules' top candidates on this machine and keep the fastest.
 
 Each candidate loads the model with its settings (an engine is reused by candidates that differ only in slots),
-fills min(concurrency, batch) slots with a short prompt and times a few decode windows; the solo path (batch 0)
-times single-row steps. The figure is total tokens/s over the conversations decoded at once. strata and torch
+fills min(concurrency, batch) slots with a short prompt, reads the prompts, and times a few decode windows. The figure is total tokens/s over the conversations decoded at once. strata and torch
 are imported here, lazily: the rules stay pure.
 """
 

@@ -1,4 +1,4 @@
-"""A real `strata engine` subprocess driven through its pipes."""
+"""A real `strata engine` subprocess driven through its pipes: requests by id, the waiting line, aborts, bad input."""
 
 from __future__ import annotations
 
@@ -49,8 +49,18 @@ class EngineProcess:
         return self.proc.wait(timeout=DEADLINE_S)
 
 
-def tokens(lines: list[str], prefix: str) -> list[int]:
-    return [int(line.split()[-1]) for line in lines if line.startswith(prefix + " ")]
+def tokens(lines: list[str], rid: str) -> list[int]:
+    """The tokens of request `rid` in TOK lines (pairs of id and token)."""
+    out = []
+    for line in lines:
+        words = line.split()
+        if words[0] == "TOK":
+            out += [int(words[k + 1]) for k in range(1, len(words) - 1, 2) if words[k] == rid]
+    return out
+
+
+def ended(rid: str):
+    return lambda line: line.startswith(f"END {rid} ")
 
 
 @pytest.fixture(scope="module")
@@ -66,107 +76,138 @@ def reference(model):
     return lambda ids, n: engine.generate(ids, n, stop_ids=frozenset()).ids
 
 
+def start(model, *args: str) -> EngineProcess:
+    proc = EngineProcess("--model", str(model), "--max-cells", "512", *args)
+    ready = proc.read_until(lambda line: line.startswith("READY"))[-1]
+    proc.facts = json.loads(ready.split(" ", 1)[1])
+    return proc
+
+
 @pytest.fixture
 def engine(model):
-    proc = EngineProcess("--model", str(model), "--batch", "4", "--max-cells", "512")
-    ready = proc.read_until(lambda line: line.startswith("READY"))[-1]
-    facts = json.loads(ready.split(" ", 1)[1])
-    assert facts["batch"] == 4 and facts["max_cells"] == 512 and facts["vocab_size"] == VOCAB
+    proc = start(model, "--batch", "4", "--max-window-tokens", "16")
+    assert proc.facts["batch"] == 4 and proc.facts["max_cells"] == 512 and proc.facts["vocab_size"] == VOCAB
+    assert proc.facts["max_window_tokens"] == 16 and proc.facts["max_waiting"] == 256
     yield proc
     if proc.proc.poll() is None:
         proc.proc.kill()
 
 
-def test_solo_generation_streams_tokens_then_done(engine, reference):
-    engine.send("GEN 20 ignore_eos=1 1 2 3 4")
-    lines = engine.read_until(lambda line: line.startswith("DONE"))
-    assert lines[-1] == "DONE length 4 20 0"  # nothing held to reuse: all 4 prompt tokens read
-    assert tokens(lines, "T") == reference([1, 2, 3, 4], 20)
+def test_a_request_streams_tokens_then_ends(engine, reference):
+    engine.send("ADD a 20 ignore_eos=1 1 2 3 4")
+    lines = engine.read_until(ended("a"))
+    assert lines[:2] == ["WAIT a", "RUN a 0"]  # nothing held to reuse: all 4 prompt tokens read
+    assert lines[-1] == "END a length 4 20 0"
+    assert tokens(lines, "a") == reference([1, 2, 3, 4], 20)
+    wins = [list(map(int, line.split()[1:])) for line in lines if line.startswith("WIN ")]
+    assert wins[0] == [0, 4] and all(w == [1, 0] for w in wins[1:]) and len(wins) == 20
     assert engine.close() == 0
 
 
-def test_slots_admitted_at_staggered_times_equal_solo(engine, reference):
-    engine.send("BGEN 0 40 ignore_eos=1 5 6 7")
-    first = engine.read_until(lambda line: line.startswith("BADM 0"))
-    assert first[-1] == "BADM 0 1 0"
-    engine.send("BGEN 2 30 ignore_eos=1 9 8 7 6 5")  # joins while slot 0 is mid-flight
+def test_requests_added_at_staggered_times_equal_their_solo_runs(engine, reference):
+    long = [(3 + 5 * j) % VOCAB for j in range(70)]  # read over several 16-row windows beside the decoding rows
+    engine.send("ADD first 40 ignore_eos=1 5 6 7")
+    lines = engine.read_until(lambda line: line.startswith("TOK"))
+    engine.send("ADD second 30 ignore_eos=1 " + " ".join(map(str, long)))
     seen: set[str] = set()
-    lines = first + engine.read_until(lambda line: line.startswith("BDONE") and seen.add(line[:7]) is None and len(seen) == 2)
-    assert tokens(lines, "BT 0") == reference([5, 6, 7], 40)
-    assert tokens(lines, "BT 2") == reference([9, 8, 7, 6, 5], 30)
-    assert "BDONE 0 length 3 40" in lines and "BDONE 2 length 5 30" in lines
+    lines += engine.read_until(lambda line: line.startswith("END") and seen.add(line.split()[1]) is None and len(seen) == 2)
+    assert tokens(lines, "first") == reference([5, 6, 7], 40)
+    assert tokens(lines, "second") == reference(long, 30)
+    assert "END first length 3 40 0" in lines and "END second length 70 30 0" in lines
+    wins = [list(map(int, line.split()[1:])) for line in lines if line.startswith("WIN ")]
+    assert all(d + p <= 16 for d, p in wins)
+    assert sum(p for _, p in wins) == 73 and sum(1 for d, p in wins if d and p) >= 4  # read beside the decoding row
 
 
-def test_stop_a_slot_then_reuse_it(engine, reference):
-    engine.send("BGEN 1 400 ignore_eos=1 3 1 4 1 5")
-    engine.read_until(lambda line: line.startswith("BADM 1"))
-    engine.send("BSTOP 1")
-    lines = engine.read_until(lambda line: line.startswith("BDONE 1"))
-    reason, num_prompt, num_generated = lines[-1].split()[2:]
+def test_abort_a_running_request_then_another_runs_clean(engine, reference):
+    engine.send("ADD x 400 ignore_eos=1 3 1 4 1 5")
+    engine.read_until(lambda line: line.startswith("TOK"))
+    engine.send("ABORT x")
+    lines = engine.read_until(ended("x"))
+    reason, num_prompt, num_generated = lines[-1].split()[2:5]
     assert reason == "abort" and num_prompt == "5" and 1 <= int(num_generated) < 400
-    engine.send("BSTOP 1")  # idempotent: nothing more is said about a finished slot
-    engine.send("BGEN 1 12 ignore_eos=1 2 7 1 8")
-    lines = engine.read_until(lambda line: line.startswith("BDONE 1"))
-    assert tokens(lines, "BT 1") == reference([2, 7, 1, 8], 12)  # nothing of the stopped answer leaks in
+    engine.send("ABORT x")  # idempotent: nothing more is said about an ended request
+    engine.send("ADD y 12 ignore_eos=1 2 7 1 8")
+    lines = engine.read_until(ended("y"))
+    assert not tokens(lines, "x") and tokens(lines, "y") == reference([2, 7, 1, 8], 12)
 
 
-def test_stop_the_solo_generation(engine):
-    engine.send("GEN 400 ignore_eos=1 1 2 3")
-    engine.read_until(lambda line: line.startswith("T "))
-    engine.send("STOP")
-    done = engine.read_until(lambda line: line.startswith("DONE"))[-1]
-    assert done.startswith("DONE abort 3 ")
+def test_the_waiting_line_is_bounded_and_aborts_free_places(model, reference):
+    """One slot and a line of two: the fourth request is refused (`full`); a waiting request aborted leaves at once,
+    a request aborted while its prompt is read frees the slot for the next."""
+    engine = start(model, "--batch", "1", "--max-waiting", "2", "--max-window-tokens", "8")
+    engine.send("ADD a 300 ignore_eos=1 1 2 3")
+    engine.read_until(lambda line: line.startswith("TOK"))
+    long = " ".join(str((7 + 3 * j) % VOCAB) for j in range(200))  # 25 windows of 8 rows
+    for rid in ("b", "c", "d"):
+        engine.send(f"ADD {rid} 5 ignore_eos=1 {long}")
+    lines = engine.read_until(lambda line: line.startswith("ERR d"))
+    assert "WAIT b" in lines and "WAIT c" in lines and lines[-1].startswith("ERR d full ")
+    engine.send("ABORT c")  # waiting: leaves the line at once
+    lines = engine.read_until(ended("c"))
+    assert lines[-1] == "END c abort 200 0 0"
+    engine.send("ABORT a")
+    lines = engine.read_until(lambda line: line.startswith("RUN b"))  # b gets the slot at the next window
+    engine.send("ABORT b")  # mid-prompt: ends with nothing generated
+    lines = engine.read_until(ended("b"))
+    assert lines[-1].startswith("END b abort 200 0 ")
+    engine.send("ADD e 6 ignore_eos=1 4 4 4")
+    lines = engine.read_until(ended("e"))
+    assert tokens(lines, "e") == reference([4, 4, 4], 6)
+    assert engine.close() == 0
 
 
 def test_bad_input_answers_err_and_the_engine_carries_on(engine, reference):
-    engine.send("BGEN 0 200 ignore_eos=1 5 6 7")
-    engine.read_until(lambda line: line == "BADM 0 1 0")
+    engine.send("ADD run 200 ignore_eos=1 5 6 7")
+    engine.read_until(lambda line: line == "RUN run 0")
     bad = [
-        ("HELLO", "unknown command"),
-        ("BGEN x 5 1 2", "slot 'x' is not an integer"),
-        ("BGEN 9 5 1 2", "slot 9 does not exist"),
-        ("BGEN 0 5 1 2", "busy"),
-        (f"BGEN 3 5 1 {VOCAB + 1}", "vocabulary"),
-        ("BGEN 3 5 " + " ".join(["1"] * 600), "max_cells"),
-        ("GEN 5 temperature=-1 1 2", "temperature"),
-        ("GEN 5 colour=blue 1 2", "unknown key"),
+        ("HELLO", "ERR - invalid", "unknown command"),
+        ("ADD", "ERR - invalid", "needs"),
+        ("ADD b@d 5 1 2", "ERR - invalid", "request id"),
+        ("ADD run 5 1 2", "ERR run invalid", "already in use"),
+        (f"ADD v 5 1 {VOCAB + 1}", "ERR v invalid", "vocabulary"),
+        ("ADD m 5 " + " ".join(["1"] * 600), "ERR m invalid", "max_cells"),
+        ("ADD t 5 temperature=-1 1 2", "ERR t invalid", "temperature"),
+        ("ADD k 5 colour=blue 1 2", "ERR k invalid", "unknown key"),
+        ("ADD z 0 1 2", "ERR z invalid", "at least one token"),
+        ("ABORT", "ERR - invalid", "wrong number"),
     ]
     lines = []
-    for line, words in bad:
+    for line, head, words in bad:
         engine.send(line)
         lines += engine.read_until(lambda out: out.startswith("ERR"))
-        assert words in lines[-1], (line, lines[-1])
-    lines += engine.read_until(lambda line: line.startswith("BDONE 0"))
-    assert "BADM 3 0" in lines
-    assert lines[-1] == "BDONE 0 length 3 200"  # the running slot was never disturbed
-    engine.send("GEN 6 ignore_eos=1 4 4 4")
-    lines = engine.read_until(lambda line: line.startswith("DONE"))
-    assert tokens(lines, "T") == reference([4, 4, 4], 6)
+        assert lines[-1].startswith(head) and words in lines[-1], (line, lines[-1])
+    lines += engine.read_until(ended("run"))
+    assert lines[-1] == "END run length 3 200 0"  # the running request was never disturbed
+    engine.send("ADD after 6 ignore_eos=1 4 4 4")
+    lines = engine.read_until(ended("after"))
+    assert tokens(lines, "after") == reference([4, 4, 4], 6)
 
 
 def test_end_of_input_finishes_work_in_flight(model, reference):
     proc = subprocess.run(
         [sys.executable, "-m", "strata.cli", "engine", "--model", str(model), "--batch", "2"],
-        input="BGEN 0 10 ignore_eos=1 1 2\nGEN 10 ignore_eos=1 3 4\n", capture_output=True, text=True, timeout=DEADLINE_S,
+        input="ADD a 10 ignore_eos=1 1 2\nADD b 10 ignore_eos=1 3 4\n", capture_output=True, text=True, timeout=DEADLINE_S,
     )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
-    assert tokens(lines, "BT 0") == reference([1, 2], 10) and tokens(lines, "T") == reference([3, 4], 10)
+    assert tokens(lines, "a") == reference([1, 2], 10) and tokens(lines, "b") == reference([3, 4], 10)
 
 
 def test_parse_and_format_round_trip():
     from strata import protocol
     from strata.runtime.sampling import SamplingParams
 
-    line = "BGEN 3 50 temperature=0.7 top_p=0.9 top_k=40 seed=11 presence_penalty=0.5 stop=2,13 ignore_eos=1 10 11 12"
+    line = "ADD r-3 50 temperature=0.7 top_p=0.9 top_k=40 seed=11 presence_penalty=0.5 stop=2,13 ignore_eos=1 10 11 12"
     cmd = protocol.parse_command(line)
-    assert isinstance(cmd, protocol.BGen) and cmd.slot == 3
+    assert isinstance(cmd, protocol.Add) and cmd.id == "r-3"
     r = cmd.request
     assert r.max_new == 50 and r.ids == [10, 11, 12] and r.stop_ids == {2, 13} and r.ignore_eos
     assert r.params == SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=11, presence_penalty=0.5)
-    assert protocol.parse_command("BGEN 3 " + protocol.format_request(r)) == cmd
-    assert protocol.parse_command("GEN 4 7") == protocol.Gen(protocol.Request(4, SamplingParams(), frozenset(), False, [7]))
-    for bad, words in [("GEN", "needs"), ("GEN 5", "no prompt"), ("GEN 5 1 top_k=3", "keys come first"),
-                       ("GEN -1 1", "negative"), ("STOP now", "wrong number"), ("GEN 5 seed=x 1", "not a number")]:
+    assert protocol.parse_command(protocol.add("r-3", r)) == cmd
+    assert protocol.parse_command("ABORT r-3") == protocol.Abort("r-3")
+    for bad, words in [("ADD x", "needs"), ("ADD x 5", "no prompt"), ("ADD x 5 1 top_k=3", "keys come first"),
+                       ("ADD x -1 1", "at least one"), ("QUIT now", "wrong number"), ("ADD x 5 seed=x 1", "not a number"),
+                       ("ADD " + "x" * 65 + " 5 1", "request id"), ("GEN 5 1", "unknown command")]:
         with pytest.raises(protocol.ProtocolError, match=words):
             protocol.parse_command(bad)
