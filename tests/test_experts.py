@@ -18,6 +18,8 @@ from strata.model.loader import ModelFiles
 from strata.model.random_weights import random_stage_weights
 from strata.runtime.generate import Engine
 from strata.runtime.scheduler import Scheduler
+from tests.protocol_lines import add, tokens
+from tests.slot_helpers import decode_logits
 from tests.tiny_models import VOCAB, build
 
 NEW = 16
@@ -53,10 +55,10 @@ def batched(engine: Engine, n: int = 8) -> list[list[int]]:
     out: list[str] = []
     sched = Scheduler(engine, n, out.append)
     for i in range(n):
-        sched.handle(f"BGEN {i} {NEW} ignore_eos=1 " + " ".join(map(str, PROMPTS[i])))
+        sched.handle(add(f"c{i}", NEW, PROMPTS[i]))
     while sched.busy:
         sched.step()
-    return [[int(line.split()[2]) for line in out if line.startswith(f"BT {i} ")] for i in range(n)]
+    return [tokens(out, f"c{i}") for i in range(n)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,12 +97,9 @@ def test_batched_equals_solo_with_the_pool(model):
     solo = [pooled.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
     assert solo == model.solo
     assert batched(pooled) == solo
-    alone = pooled.init_slots(1)
-    alone.admit(0, PROMPTS[4], 4)
-    together = pooled.init_slots(8)
-    for slot in range(8):
-        together.admit(slot, PROMPTS[(slot + 4) % 8], 4)
-    assert torch.equal(together.run_slots().logits[0], alone.run_slots().logits[0])
+    alone = decode_logits(pooled.init_slots(1), {0: PROMPTS[4]})
+    together = decode_logits(pooled.init_slots(8), {slot: PROMPTS[(slot + 4) % 8] for slot in range(8)})
+    assert torch.equal(together[0], alone[0])
 
 
 def test_budget_zero_keeps_every_expert_in_host_ram(model):
@@ -169,8 +168,8 @@ def test_loading_never_puts_the_other_experts_on_the_device(model):
 
 def test_residency_facts(model, tmp_path):
     pooled = Engine(model.files, max_cells=64, expert_budget_gb=[half(model.spec)])
-    assert Scheduler(pooled, 0, lambda line: None).facts()["expert_residency"] == {"cpu": 0.5}
-    assert Scheduler(model.full, 0, lambda line: None).facts()["expert_residency"] == {"cpu": 1.0}
+    assert Scheduler(pooled, 1, lambda line: None).facts()["expert_residency"] == {"cpu": 0.5}
+    assert Scheduler(model.full, 1, lambda line: None).facts()["expert_residency"] == {"cpu": 1.0}
     build("llama-gqa-tied", tmp_path)
     dense = Engine(ModelFiles.open(tmp_path), max_cells=64, expert_budget_gb=[0])  # no routed experts: nothing missing
     assert dense.expert_residency() == {"cpu": 1.0}
@@ -183,7 +182,7 @@ def test_experts_events_report_where_the_pooled_pairs_ran(model):
     out: list[str] = []
     sched = Scheduler(pooled, 4, out.append)
     for i in range(4):
-        sched.handle(f"BGEN {i} 6 ignore_eos=1 " + " ".join(map(str, PROMPTS[i])))
+        sched.handle(add(f"c{i}", 6, PROMPTS[i]))
     while sched.busy:
         sched.step()
     sched.step()  # idle: the last totals are said
@@ -195,7 +194,7 @@ def test_experts_events_report_where_the_pooled_pairs_ran(model):
     assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(said, said[1:]))  # running totals
     quiet: list[str] = []
     full = Scheduler(model.full, 2, quiet.append)  # every expert resident: no pool, no EXPERTS event
-    full.handle("BGEN 0 4 ignore_eos=1 " + " ".join(map(str, PROMPTS[0])))
+    full.handle(add("c0", 4, PROMPTS[0]))
     while full.busy:
         full.step()
     assert not [line for line in quiet if line.startswith("EXPERTS")]
@@ -285,12 +284,8 @@ def test_triton_path_with_the_pool(triton_model):
     assert fast.generate(ids, 6, stop_ids=frozenset()).ids == want
     # decode windows of slots run TritonDecode: rows bitwise the same alone or batched
     alone = fast.init_slots(1)
-    alone.admit(0, PROMPTS[1], 4)
-    solo = alone.run_slots().logits[0]
-    together = fast.init_slots(3)
-    for slot, i in ((0, 0), (1, 1), (2, 3)):
-        together.admit(slot, PROMPTS[i], 4)
-    logits = together.run_slots().logits
+    solo = decode_logits(alone, {0: PROMPTS[1]})[0]
+    logits = decode_logits(fast.init_slots(3), {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[3]})
     assert torch.equal(logits[1], solo)
     state = reference.new_state()
     reference.run(state, PROMPTS[1])

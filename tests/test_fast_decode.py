@@ -8,6 +8,8 @@ import torch
 
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
+from strata.runtime.window import Window
+from tests.slot_helpers import decode_logits, read_alone
 from tests.tiny_models import VOCAB, build
 
 NEW = 6
@@ -46,13 +48,40 @@ def test_triton_decode_gives_the_torch_tokens_and_logits(engines):
 
 def test_triton_rows_are_bitwise_the_same_alone_or_batched(engines):
     _, fast = engines
-    alone = fast.init_slots(1)
-    alone.admit(0, prompt(1), 4)
-    solo = alone.run_slots().logits[0]
-    batch = fast.init_slots(3)
-    for slot, i in ((0, 0), (1, 1), (2, 3)):
-        batch.admit(slot, prompt(i), 4)
-    assert torch.equal(batch.run_slots().logits[1], solo)
+    solo = decode_logits(fast.init_slots(1), {0: prompt(1)})[0]
+    batch = decode_logits(fast.init_slots(3), {0: prompt(0), 1: prompt(1), 2: prompt(3)})
+    assert torch.equal(batch[1], solo)
+
+
+def test_triton_decode_rows_are_bitwise_the_same_beside_prompt_rows(engines):
+    """A mixed window on the Triton path: its decode rows (a decode window of their own, then the prompt chunk on
+    the prompt kernels) give bitwise the logits they give without the prompt rows; and slots decoding while a
+    prompt is read beside them in chunks give the torch path's tokens."""
+    reference, fast = engines
+    slots = fast.init_slots(3)
+    for i in (0, 1):
+        read_alone(slots, i, prompt(i + 1), 4)
+    states = [s.state for s in slots.slots]
+    parts = [(states[i], [slots.slots[i].next_token], False) for i in (0, 1)]
+    gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them
+    saved = [t.clone() for t in gdn]
+    alone = fast.forward(Window.build(parts, fast.device))
+    for t, v in zip(gdn, saved):
+        t.copy_(v)
+    mixed = fast.forward(Window.build(parts + [(states[2], prompt(3), False)], fast.device))
+    assert mixed.shape[0] == 3 and torch.equal(mixed[:2], alone)
+    chunked = Engine(reference.files, max_cells=128, kernels="triton", max_window_tokens=6)
+    slots = chunked.init_slots(2)
+    slots.admit(0, prompt(0), NEW, stop_ids=frozenset())
+    slots.commit_slots(slots.run_slots())
+    slots.admit(1, prompt(4), NEW, stop_ids=frozenset())  # 16 tokens: read in chunks beside slot 0's rows
+    got: dict[int, list[int]] = {}
+    while slots.active:
+        sw = slots.run_slots()
+        for e in slots.commit_slots(sw):
+            got.setdefault(e.slot, []).append(e.token)
+    assert got[1] == reference.generate(prompt(4), NEW, stop_ids=frozenset()).ids
+    assert got[0] == reference.generate(prompt(0), NEW, stop_ids=frozenset()).ids[1:]
 
 
 def test_triton_decode_through_two_stages(engines):
@@ -77,10 +106,6 @@ def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypa
         engine.run(state, ids)
     a, b = (engine.run(state, [5]) for engine, state in zip(engines, states))
     assert float((a - b).abs().max() / a.abs().max()) < 1e-4
-    alone = fast.init_slots(1)
-    alone.admit(0, ids, 2)
-    solo = alone.run_slots().logits[0]
-    batch = fast.init_slots(3)
-    for slot, p in ((0, prompt(0)), (1, ids), (2, prompt(3))):
-        batch.admit(slot, p, 2)
-    assert torch.equal(batch.run_slots().logits[1], solo)
+    solo = decode_logits(fast.init_slots(1), {0: ids}, 2)[0]
+    batch = decode_logits(fast.init_slots(3), {0: prompt(0), 1: ids, 2: prompt(3)}, 2)
+    assert torch.equal(batch[1], solo)

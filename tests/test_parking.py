@@ -26,6 +26,7 @@ from strata.state.parking import (
     snapshot_bytes,
 )
 from strata.state.session import SessionState
+from tests.protocol_lines import add, end_of, tokens
 from tests.tiny_models import CASES, VOCAB, build
 
 ATTENTION_ONLY, HYBRID = "llama-mha-untied", "qwen3_next"
@@ -208,10 +209,6 @@ def test_bad_budgets_are_refused_with_a_clear_message(capsys):
 NEW = 8
 
 
-def ids(line_ids: list[int]) -> str:
-    return " ".join(map(str, line_ids))
-
-
 def conversation(k: int, n: int = 14) -> list[int]:
     return [(k * 37 + j * 11 + 5) % VOCAB for j in range(n)]
 
@@ -228,54 +225,50 @@ def engine_with(model, park_gb: float, **kw) -> Engine:
 
 
 class Driver:
-    """A scheduler driven by protocol lines, as the engine process drives it."""
+    """A scheduler driven by protocol lines, as the engine process drives it; each `run` is one request, by id."""
 
     def __init__(self, engine: Engine, num_slots: int):
         self.out: list[str] = []
         self.scheduler = Scheduler(engine, num_slots, self.out.append)
+        self.count = 0
 
-    def run(self, line: str) -> list[str]:
-        start = len(self.out)
-        self.scheduler.handle(line)
+    def run(self, prompt_ids: list[int]) -> tuple[list[int], int, list[str]]:
+        """The request's tokens, the prompt tokens it reused, and every line from its ADD on."""
+        self.count += 1
+        rid, start = f"q{self.count}", len(self.out)
+        self.scheduler.handle(add(rid, NEW, prompt_ids))
         while self.scheduler.busy:
             self.scheduler.step()
-        return self.out[start:]
+        lines = self.out[start:]
+        (run,) = [line for line in lines if line.startswith(f"RUN {rid} ")]
+        assert end_of(lines, rid) == ["length", str(len(prompt_ids)), str(NEW), run.split()[2]]
+        return tokens(lines, rid), int(run.split()[2]), lines
 
 
-def tokens_of(lines: list[str], prefix: str) -> list[int]:
-    return [int(line.split()[-1]) for line in lines if line.startswith(prefix + " ")]
-
-
-def reused_in(lines: list[str], prefix: str) -> int:
-    (line,) = [line for line in lines if line.startswith(prefix)]
-    return int(line.split()[-1])
-
-
-def two_turns_with_others_between(driver: Driver, slot_turn1: int, slot_turn2: int) -> tuple[list[int], list[str]]:
-    """Conversation 0's first turn, two other conversations taking both slots, then its second turn; the second
-    turn's prompt, and its lines."""
+def two_turns_with_others_between(driver: Driver) -> tuple[list[int], list[int], int]:
+    """Conversation 0's first turn, two other conversations taking both slots (the engine gives a new request the
+    slot idle longest), then its second turn; the second turn's prompt, answer and reused tokens."""
     turn1 = conversation(0)
-    answer = tokens_of(driver.run(f"BGEN {slot_turn1} {NEW} ignore_eos=1 {ids(turn1)}"), f"BT {slot_turn1}")
-    driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(conversation(1))}")
-    driver.run(f"BGEN 1 {NEW} ignore_eos=1 {ids(conversation(2))}")
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(1))
+    driver.run(conversation(2))
     turn2 = turn1 + answer + [3, 1, 4, 1, 5]
-    return turn2, driver.run(f"BGEN {slot_turn2} {NEW} ignore_eos=1 {ids(turn2)}")
+    again, reused, _ = driver.run(turn2)
+    return turn2, again, reused
 
 
 def test_a_parked_conversation_reads_only_its_new_tokens_and_answers_as_if_it_had_stayed(model):
     engine = engine_with(model, park_gb=0.05)
     parked = Driver(engine, 2)
-    turn2, lines = two_turns_with_others_between(parked, slot_turn1=0, slot_turn2=1)
+    turn2, answer, reused = two_turns_with_others_between(parked)
     held = len(turn2) - 5 - 1  # turn one's prompt and answer, but for the answer's last token (never read)
-    assert reused_in(lines, "BADM 1 1") == held
-    assert any(line.startswith("PARKED 1 ") for line in parked.out)  # conversation 0, pushed out by conversation 1
+    assert reused == held
+    assert any(line.startswith("PARKED 1 ") for line in parked.out)  # conversation 0, pushed out by conversation 2
     # the same two turns with the conversation staying in its slot between them
     stayed = Driver(engine_with(model, park_gb=0), 2)
-    turn1 = conversation(0)
-    stayed.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(turn1)}")
-    stayed_lines = stayed.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(turn2)}")
-    assert reused_in(stayed_lines, "BADM 0 1") == held
-    assert tokens_of(lines, "BT 1") == tokens_of(stayed_lines, "BT 0")
+    stayed.run(conversation(0))
+    stayed_answer, stayed_reused, _ = stayed.run(turn2)
+    assert stayed_reused == held and answer == stayed_answer
     assert not any(line.startswith("PARKED") for line in stayed.out)
 
 
@@ -295,49 +288,47 @@ def test_restored_logits_are_close_to_reading_the_whole_prompt(model):
 
 
 @pytest.mark.parametrize("split", [None, "2,2"], ids=["one-stage", "two-stages"])
-def test_the_solo_path_restores_a_parked_conversation(model, split):
+def test_a_single_slot_restores_a_parked_conversation(model, split):
     engine = engine_with(model, park_gb=0.05, layer_split=split)
-    driver = Driver(engine, 2)
+    driver = Driver(engine, 1)
     turn1 = conversation(5)
-    answer = tokens_of(driver.run(f"GEN {NEW} ignore_eos=1 {ids(turn1)}"), "T")
-    assert driver.out[-1] == f"DONE length {len(turn1)} {NEW} 0"
-    lines = driver.run(f"GEN {NEW} ignore_eos=1 {ids(conversation(6))}")  # the solo session changes hands
+    answer, reused, _ = driver.run(turn1)
+    assert reused == 0
+    _, _, lines = driver.run(conversation(6))  # the slot changes hands
     assert any(line.startswith("PARKED 1 ") for line in lines)
     turn2 = turn1 + answer + [2, 7, 1]
-    lines = driver.run(f"GEN {NEW} ignore_eos=1 {ids(turn2)}")
-    assert reused_in(lines, "DONE") == len(turn1) + len(answer) - 1
-    assert engine.parking.conversations == 1  # conversation 6 now, conversation 5 is back in the solo session
-    stayed = Driver(engine_with(model, park_gb=0, layer_split=split), 2)
-    stayed.run(f"GEN {NEW} ignore_eos=1 {ids(turn1)}")
-    stayed_lines = stayed.run(f"GEN {NEW} ignore_eos=1 {ids(turn2)}")
-    assert reused_in(stayed_lines, "DONE") == len(turn1) + len(answer) - 1
-    assert tokens_of(lines, "T") == tokens_of(stayed_lines, "T")
+    again, reused, _ = driver.run(turn2)
+    assert reused == len(turn1) + len(answer) - 1
+    assert engine.parking.conversations == 1  # conversation 6 now, conversation 5 is back in the slot
+    stayed = Driver(engine_with(model, park_gb=0, layer_split=split), 1)
+    stayed.run(turn1)
+    stayed_again, stayed_reused, _ = stayed.run(turn2)
+    assert stayed_reused == len(turn1) + len(answer) - 1 and again == stayed_again
 
 
 def test_an_edited_conversation_reuses_the_shared_part_only_without_gdn(model):
     engine = engine_with(model, park_gb=0.05)
     driver = Driver(engine, 1)
     turn1 = conversation(7)
-    answer = tokens_of(driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(turn1)}"), "BT 0")
-    driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(conversation(8))}")
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(8))
     edited = turn1 + answer[:3] + [9, 9, 9]  # the answer cut short and something else said instead
-    lines = driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(edited)}")
+    got, reused, _ = driver.run(edited)
     gdn = bool(engine.spec.gdn_layers())
-    assert reused_in(lines, "BADM 0 1") == (0 if gdn else len(turn1) + 3)
+    assert reused == (0 if gdn else len(turn1) + 3)
     stayed = Driver(engine_with(model, park_gb=0), 1)  # the edit sent while the conversation still held its slot
-    stayed.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(turn1)}")
-    stayed_lines = stayed.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(edited)}")
-    assert reused_in(stayed_lines, "BADM 0 1") == reused_in(lines, "BADM 0 1")
-    assert tokens_of(lines, "BT 0") == tokens_of(stayed_lines, "BT 0")
+    stayed.run(turn1)
+    stayed_got, stayed_reused, _ = stayed.run(edited)
+    assert stayed_reused == reused and got == stayed_got
 
 
 def test_budget_zero_parks_nothing(model):
     engine = engine_with(model, park_gb=0)
     driver = Driver(engine, 2)
-    turn2, lines = two_turns_with_others_between(driver, slot_turn1=0, slot_turn2=1)
-    assert reused_in(lines, "BADM 1 1") == 0  # its state was overwritten, nowhere kept: the whole prompt is read
+    turn2, answer, reused = two_turns_with_others_between(driver)
+    assert reused == 0  # its state was overwritten, nowhere kept: the whole prompt is read
     assert engine.parking.conversations == 0 and not any(line.startswith("PARKED") for line in driver.out)
-    assert tokens_of(lines, "BT 1") == engine.generate(turn2, NEW, stop_ids=frozenset()).ids
+    assert answer == engine.generate(turn2, NEW, stop_ids=frozenset()).ids
 
 
 def test_over_budget_the_least_recently_parked_is_evicted(model):
@@ -347,13 +338,13 @@ def test_over_budget_the_least_recently_parked_is_evicted(model):
     driver = Driver(engine, 1)
     answers = {}
     for k in (10, 11, 12):  # each one pushes the previous one out of the slot; 12 pushes 11 and evicts 10
-        answers[k] = tokens_of(driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(conversation(k))}"), "BT 0")
+        answers[k], _, _ = driver.run(conversation(k))
     assert engine.parking.evictions == 1 and engine.parking.conversations == 1
     parked = [line for line in driver.out if line.startswith("PARKED")]
     assert parked and all(line.split()[1] == "1" for line in parked)
     follow = {k: conversation(k) + answers[k] + [6, 6] for k in (11, 10)}
-    lines = driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(follow[11])}")
-    assert reused_in(lines, "BADM 0 1") == len(conversation(11)) + NEW - 1  # still parked
-    lines = driver.run(f"BGEN 0 {NEW} ignore_eos=1 {ids(follow[10])}")
-    assert reused_in(lines, "BADM 0 1") == 0  # evicted: read again
-    assert tokens_of(lines, "BT 0") == engine.generate(follow[10], NEW, stop_ids=frozenset()).ids
+    _, reused, _ = driver.run(follow[11])
+    assert reused == len(conversation(11)) + NEW - 1  # still parked
+    got, reused, _ = driver.run(follow[10])
+    assert reused == 0  # evicted: read again
+    assert got == engine.generate(follow[10], NEW, stop_ids=frozenset()).ids

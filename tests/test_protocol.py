@@ -13,6 +13,7 @@ import pytest
 
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
+from tests.protocol_lines import tokens
 from tests.tiny_models import VOCAB, build
 
 DEADLINE_S = 60
@@ -47,16 +48,6 @@ class EngineProcess:
     def close(self) -> int:
         self.send("QUIT")
         return self.proc.wait(timeout=DEADLINE_S)
-
-
-def tokens(lines: list[str], rid: str) -> list[int]:
-    """The tokens of request `rid` in TOK lines (pairs of id and token)."""
-    out = []
-    for line in lines:
-        words = line.split()
-        if words[0] == "TOK":
-            out += [int(words[k + 1]) for k in range(1, len(words) - 1, 2) if words[k] == rid]
-    return out
 
 
 def ended(rid: str):

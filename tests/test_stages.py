@@ -10,6 +10,7 @@ from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
 from strata.runtime.scheduler import Scheduler
 from strata.runtime.stages import plan_stages
+from tests.protocol_lines import add, tokens
 from tests.tiny_models import CASES, VOCAB, build
 
 NEW = 40
@@ -35,10 +36,10 @@ def batched(engine: Engine, n: int = 4) -> list[list[int]]:
     out: list[str] = []
     sched = Scheduler(engine, n, out.append)
     for i in range(n):
-        sched.handle(f"BGEN {i} {NEW} ignore_eos=1 " + " ".join(map(str, prompt(i))))
+        sched.handle(add(f"c{i}", NEW, prompt(i)))
     while sched.busy:
         sched.step()
-    return [[int(line.split()[2]) for line in out if line.startswith(f"BT {i} ")] for i in range(n)]
+    return [tokens(out, f"c{i}") for i in range(n)]
 
 
 @pytest.mark.parametrize(("split", "lookahead"), [(s, 0) for s in SPLITS] + [("1,1,2", 1)])
@@ -103,8 +104,9 @@ def test_groups_launch_in_turns_with_lookahead(model):
     got = {i: [] for i in range(4)}
     for e in slots.step():  # launches two windows per group, reads the oldest
         got[e.slot].append(e.token)
-    assert [sw.group for sw in slots._flight] == [1, 0, 1]
-    assert [sw.slots for sw in slots._flight] == [[2, 3], [0, 1], [2, 3]]
+    assert [sw.group for sw in slots._flight] == [1, 0, 1]  # each group: its prompt window, then a decoding one
+    assert [sw.samplers for sw in slots._flight] == [[2, 3], [0, 1], [2, 3]]
+    assert [sw.decoding for sw in slots._flight] == [[], [0, 1], [2, 3]]
     for e in slots.flush():
         got[e.slot].append(e.token)
-    assert all(got[i] == solo[i][1 : 1 + len(got[i])] for i in range(4)) and all(len(got[i]) == 2 for i in range(4))
+    assert all(got[i] == solo[i][: len(got[i])] for i in range(4)) and all(len(got[i]) == 2 for i in range(4))
