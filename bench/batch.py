@@ -81,7 +81,7 @@ def main() -> None:
     print(f"{'conversations':>13} {'total tok/s':>12} {'per conv':>9} {'vs solo':>8}  identical to solo")
     for n in counts:
         slots = engine.init_slots(n)
-        got = {i: [slots.admit(i, prompts[i], args.tokens, stop_ids=no_stop).token] for i in range(n)}
+        got = {i: [slots.admit_now(i, prompts[i], args.tokens, stop_ids=no_stop).token] for i in range(n)}
         sync(args.device)
         t = time.perf_counter()
         while slots.active:

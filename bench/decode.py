@@ -143,16 +143,33 @@ def check_invariance_and_batch(engine, vocab: int, n: int = 8, tokens: int = 150
     for count in (1, 8, 64):
         slots = engine.init_slots(count)
         for i in range(count):
-            slots.admit(i, prompts[i], 4, stop_ids=none)
+            slots.admit_now(i, prompts[i], 4, stop_ids=none)  # each prompt read alone: the decode rows compare
         sw = slots.run_slots()
         logits.append(sw.logits[0].clone())
         slots.commit_slots(sw)
-    invariant = all(torch.equal(logits[0], other) for other in logits[1:])
+    # and the 8 rows' logits with a prompt chunk of another slot beside them (a mixed window)
+    from strata.runtime.window import Window
+
+    slots = engine.init_slots(9)
+    for i in range(8):
+        slots.admit_now(i, prompts[i], 4, stop_ids=none)
+    states = [s.state for s in slots.slots]
+    parts = [(states[i], [slots.slots[i].next_token], False) for i in range(8)]
+    gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them
+    saved = [t.clone() for t in gdn]
+    alone = engine.forward(Window.build(parts, engine.device))  # (no commit: the mixed window runs the same rows)
+    for t, v in zip(gdn, saved):
+        t.copy_(v)
+    mixed = engine.forward(Window.build(parts + [(states[8], prompts[9] * 8, False)], engine.device))
+    logits.append(mixed[0].clone())
+    invariant = all(torch.equal(logits[0], other) for other in logits[1:]) and torch.equal(alone, mixed[:8])
     solo = [engine.generate(prompts[i], tokens, stop_ids=none).ids for i in range(n)]
     same = True
     for lookahead in (0, 1):  # one window at a time, and the next launched before the host reads the last
         slots = engine.init_slots(n, lookahead=lookahead)
-        got = {i: [slots.admit(i, prompts[i], tokens, stop_ids=none).token] for i in range(n)}
+        for i in range(n):
+            slots.admit(i, prompts[i], tokens, stop_ids=none)
+        got = {i: [] for i in range(n)}
         while slots.active or slots.in_flight:
             for e in slots.step():
                 got[e.slot].append(e.token)
@@ -169,8 +186,8 @@ def time_strata(engine, rows: int, tokens: int, prompt_len: int, lookahead: int 
     slots = engine.init_slots(rows, lookahead=lookahead)
     for i in range(rows):
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=i) if sampled else SamplingParams()
-        slots.admit(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8, params,
-                    stop_ids=frozenset())
+        slots.admit_now(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8, params,
+                        stop_ids=frozenset())  # prompts read outside the timed decode windows
     for _ in range(3):  # capture the graph for this row count
         slots.step()
     torch.cuda.synchronize()
@@ -228,7 +245,7 @@ def main() -> None:
           f"launch {'on' if pdl_enabled(torch.device(device)) else 'off'}")
     if not args.skip_checks:
         invariant, same = check_invariance_and_batch(engine, spec.vocab_size)
-        print(f"row logits bitwise equal alone / in 8 / in 64: {'yes' if invariant else 'NO'}; "
+        print(f"row logits bitwise equal alone / in 8 / in 64 / in 8 beside a prompt chunk: {'yes' if invariant else 'NO'}; "
               f"greedy 8 x 150 batch == solo: {'yes' if same else 'NO'}")
         read_same, sampled_same, first_diff = check_sampled_repeats(engine, spec.vocab_size)
         print(f"seeded sampling run twice: prompt-read logits bitwise equal: {'yes' if read_same else 'NO'}; "
@@ -257,8 +274,8 @@ def main() -> None:
             [(int(c), True) for c in args.chain.split(",") if c]:
         slots = engine.init_slots(rows)
         for i in range(rows):
-            slots.admit(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
-                        stop_ids=frozenset())
+            slots.admit_now(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
+                            stop_ids=frozenset())
         for _ in range(2):  # capture
             slots.commit_slots(slots.run_slots())
         floor = step_bytes(engine, rows, args.prompt_len, distinct_experts(spec, rows)) / bw

@@ -34,27 +34,34 @@ def engine_for(spec, split, groups, trim, lookahead):
                   layer_split=split, batch_groups=groups, trim_stage_weights=trim, lookahead=lookahead)
 
 
+def count_tokens(lines: list[str]) -> int:
+    """Tokens said so far in TOK lines (each a list of request id, token pairs)."""
+    return sum((len(line.split()) - 1) // 2 for line in lines if line.startswith("TOK "))
+
+
 def total_tok_s(engine, slots: int, tokens: int) -> tuple[float, dict[int, list[int]]]:
     """Total decode tokens/s of `slots` conversations, and each slot's tokens."""
     lines: list[str] = []
     sched = Scheduler(engine, slots, lines.append)
     vocab = engine.spec.vocab_size
     for i in range(slots):
-        sched.handle(f"BGEN {i} {tokens + 4} ignore_eos=1 " + " ".join(str((7 + 13 * i + 5 * j) % vocab) for j in range(64)))
-    for _ in range(4):  # warm up: compile, capture the graphs
+        ids = " ".join(str((7 + 13 * i + 5 * j) % vocab) for j in range(64))
+        sched.handle(f"ADD s{i} {tokens + 4} ignore_eos=1 {ids}")
+    for _ in range(4):  # warm up: compile, capture the graphs, read the prompts
         sched.step()
     for dev in range(torch.cuda.device_count()):
         torch.cuda.synchronize(dev)
-    start, before = time.perf_counter(), sum(line.startswith("BT") for line in lines)
+    start, before = time.perf_counter(), count_tokens(lines)
     while sched.busy:
         sched.step()
-    generated = sum(line.startswith("BT") for line in lines) - before
+    generated = count_tokens(lines) - before
     rate = generated / (time.perf_counter() - start)
     tokens_of: dict[int, list[int]] = {}
     for line in lines:
-        if line.startswith("BT "):
-            _, slot, token = line.split()
-            tokens_of.setdefault(int(slot), []).append(int(token))
+        words = line.split()
+        if words[0] == "TOK":
+            for k in range(1, len(words) - 1, 2):
+                tokens_of.setdefault(int(words[k][1:]), []).append(int(words[k + 1]))
     return rate, tokens_of
 
 

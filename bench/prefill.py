@@ -120,7 +120,7 @@ def check_against_float32(shape_name: str, ids: list[int], layers: int = 4) -> N
                                     ("bf16 torch", torch.bfloat16, low, "torch"),
                                     ("bf16 triton", torch.bfloat16, low, "triton")]:
         engine = Engine(None, device="cuda", dtype=dtype, max_cells=len(ids) + 8, spec=spec, weights=w,
-                        prefill_chunk=len(ids), kernels=kernels, cuda_graphs=False)
+                        max_window_tokens=len(ids), kernels=kernels, cuda_graphs=False)
         runs[name] = engine.run(engine.new_state(), ids, all_logits=True).float()
     want = runs["float32 torch"]
     print(f"accuracy on {len(ids)} prompt tokens, first {layers} layers, against the float32 torch ops:")
@@ -142,7 +142,7 @@ def main() -> None:
     spec = shape(args.shape, args.layers)
     weights = random_stage_weights(spec, range(spec.num_layers), torch.device("cuda"), torch.bfloat16)
     engine = Engine(None, device="cuda", dtype=torch.bfloat16, max_cells=args.prompt_len + 8, spec=spec,
-                    weights=weights, prefill_chunk=args.chunk)
+                    weights=weights, max_window_tokens=args.chunk)
     rate = matmul_rate("cuda")
     ids = [(11 + 7 * j) % spec.vocab_size for j in range(args.prompt_len)]
     engine.run(engine.new_state(), ids)  # warm-up: compiles the kernels, fills the stage stream's memory cache

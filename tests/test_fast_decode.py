@@ -9,7 +9,7 @@ import torch
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
 from strata.runtime.window import Window
-from tests.slot_helpers import decode_logits, read_alone
+from tests.slot_helpers import decode_logits
 from tests.tiny_models import VOCAB, build
 
 NEW = 6
@@ -60,7 +60,7 @@ def test_triton_decode_rows_are_bitwise_the_same_beside_prompt_rows(engines):
     reference, fast = engines
     slots = fast.init_slots(3)
     for i in (0, 1):
-        read_alone(slots, i, prompt(i + 1), 4)
+        slots.admit_now(i, prompt(i + 1), 4)
     states = [s.state for s in slots.slots]
     parts = [(states[i], [slots.slots[i].next_token], False) for i in (0, 1)]
     gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them

@@ -184,6 +184,19 @@ class Slots:
         slot.active, slot.admitted = True, next(_order)
         return self.reused
 
+    def admit_now(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
+                  stop_ids: frozenset[int] | None = None) -> Event:
+        """`admit`, then read the prompt at once in prompt windows of its own, outside the slots' windows, and sample
+        the first token (benchmarks and tests that time or compare decode windows: the slot's state is bitwise what
+        a lone read gives, whatever the other slots hold); that token's event. Requests go through `admit`."""
+        self.admit(index, prompt_ids, max_new, params, stop_ids)
+        slot = self.slots[index]
+        logits = self.engine.run(slot.state, slot.unread)
+        slot.unread = []
+        position = slot.state.length
+        token = self._sample([index], logits[-1:], [params], [position])
+        return self._record([index], token.tolist(), [position])[0]
+
     def stop(self, index: int) -> bool:
         """Free a slot now; False when it was not active. Its rows in windows still in flight are committed when
         read and give no event."""
