@@ -48,7 +48,7 @@ CANDIDATES = [
     # tiles walked by 2 programs / SM: 1 row -1 %, 8 rows +7 %, 64 +4 % (sixth session)
     replace(DECODE_TILES, persistent=2, handoff=False),
 ]
-PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/PERFORMANCE.md)
+PROMPT_CANDIDATES = [  # (the fifth session's other candidates, 2-3x slower, are in docs/perf-log.md)
     PROMPT_TILES,  # the one in use: weight tiles by tensor descriptors, gate_up 4 stages, down walked, pairs bf16
     replace(PROMPT_TILES, tma=False, num_stages=3, down_stages=None, down_persistent=2),  # pointer loads
     replace(PROMPT_TILES, tma=False, num_stages=3, down_stages=None, down_persistent=0),  # one program per tile

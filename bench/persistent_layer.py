@@ -9,7 +9,7 @@ Times, on one GPU, as CUDA-graph replays (best of five):
   products walked in turn, with and without warp specialization, with and without a grid barrier between products
   (an atomic count and a spin, as a real layer kernel would need: the barrier variants run last, since a grid
   barrier hangs if the programs cannot all be resident).
-The figures (and what they say about a persistent decode layer) are in docs/PERFORMANCE.md, twelfth session.
+The figures (and what they say about a persistent decode layer) are in docs/PERFORMANCE.md (current) and docs/perf-log.md, twelfth session.
 
     python bench/persistent_layer.py      (about a minute on an H200)
 """

@@ -14,7 +14,7 @@ fall (each from its carry: the same sums whichever scan reads them) — so the s
 same pick, whatever other rows share the call. Every rule is a ratio of the row's values, so `sample` gives it
 the softmax's numerators exp((x - x_max) / T) and no softmax runs at all.
 
-On the H200 (twelfth session: GPU time of 20 calls replayed as a CUDA graph; the A/B in docs/PERFORMANCE.md): a
+On the H200 (twelfth session: GPU time of 20 calls replayed as a CUDA graph; the A/B in docs/perf-log.md): a
 pick over 151,936 probabilities takes 8.2 us at top-p 0.9 and 8.4 us when every rank is kept (one program a row
 walking the blocks in turn: 15.7 and 67.2 us); at 64 rows 24.2 and 24.6 (16.7 and 68.0). Sampled decode of the
 30B shape: +1.3 % tok/s at 1 row, +0.5 % at 8. The sort before the pick takes about 42 us a row.
