@@ -1,0 +1,640 @@
+"""What a user gets through `strata serve`, measured with real streaming HTTP clients, against the in-process engine.
+
+One run, one set of weights. It starts `strata serve` as a subprocess and measures, over HTTP:
+
+- start-up: from the process start to the first `/health` 200;
+- the first request after start (its TTFT) against the same kind of request once warm (a new prompt, so no
+  prefix is reused; the same prompt again is shown too, with its prefix reused);
+- waves of N simultaneous streaming clients (`--concurrency`, capped by `--batch`): each sends its own
+  128-token prompt of token ids to /v1/completions (greedy, `ignore_eos`, `--tokens` tokens, `stream: true`)
+  over its own connection. Per wave: total tokens/s (every generated token over the time from the first send
+  to the last token), median and p99 TTFT, median and p99 gap between the text chunks of a stream;
+- the stall case: up to 8 streams run (one slot is left free), then one `--long-prompt`-token prompt arrives
+  (max_tokens 1): the streams' worst gap while it is read and overall, and its TTFT against its TTFT on the
+  idle server.
+
+Then it stops the server (freeing the device) and runs the in-process anchor on the same weights and settings:
+`Engine` + `warm_up` + batch slots stepped as the engine process steps them, the same prompts admitted
+together, tokens/s over the same span (prompt reading included). Each HTTP wave prints its ratio to it.
+
+The model is `--model` (a Hugging Face folder, a .gguf file, or `default`: the embedded SmolLM2-135M), or
+`--shape NAME --layers N`: a random-weight safetensors folder at a real shape (bench/shapes.py), written once
+with SmolLM2's tokenizer (hence `--vocab 49152`: every generated id decodes to text) and reused from
+`--checkpoint-dir`.
+
+    # the CPU (a few minutes on two cores)
+    python bench/serve.py --model default --batch 8 --concurrency 1,4,8 --tokens 32 --long-prompt 1000 --max-cells 2048
+    # a GPU
+    python bench/serve.py --shape qwen3-30b-a3b --layers 24 --device cuda --batch 64 --concurrency 1,8,16,32,64 \\
+        --max-cells 8192 --json serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PROMPT_LEN = 128
+STALL_STREAMS = 8
+STALL_STREAM_TOKENS = 1024
+STALL_SETTLE_S = 1.0  # the streams run this long before the long prompt arrives, and after it is answered
+STARTUP_DEADLINE_S = 1800
+HTTP_TIMEOUT = httpx.Timeout(1800.0, connect=60.0)
+TOKENIZER_SOURCE = "default"  # the embedded SmolLM2-135M GGUF: its tokenizer goes into random-weight folders
+
+
+# the model: a given path, or a random-weight folder at a real shape
+
+
+HF_MODELS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def hf_config(spec, vocab: int):
+    """The `transformers` config of a bench/shapes.py spec (Qwen3-MoE or Qwen3-Next), with `vocab` tokens."""
+    import transformers
+
+    a, m = spec.attention, spec.moe
+    common = dict(
+        vocab_size=vocab, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim,
+        rms_norm_eps=spec.rms_eps, tie_word_embeddings=spec.tie_embeddings, max_position_embeddings=spec.max_positions,
+        num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.expert_dim,
+        norm_topk_prob=m.norm_topk, rope_theta=a.rope_theta,
+    )
+    if spec.family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common)
+    if spec.family == "qwen3_next":
+        g = spec.gdn
+        return transformers.Qwen3NextConfig(
+            **common, partial_rotary_factor=a.rotary_dim / a.head_dim, shared_expert_intermediate_size=m.shared_dim,
+            linear_num_key_heads=g.num_k_heads, linear_num_value_heads=g.num_v_heads, linear_key_head_dim=g.k_head_dim,
+            linear_value_head_dim=g.v_head_dim, linear_conv_kernel_dim=g.conv_kernel,
+            layer_types=["full_attention" if layer.mixer == "attention" else "linear_attention"
+                         for layer in spec.layers])
+    raise SystemExit(f"--shape: no Hugging Face config for family {spec.family!r}")
+
+
+def random_tensor(name: str, shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A bfloat16 tensor scaled like a trained model's, so activations stay unit-sized and routing spreads."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith("dt_bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if name.endswith("A_log"):
+        return (torch.rand(shape, generator=gen, device=device) * 0.5).to(torch.bfloat16).cpu()
+    std = 1.0 if name.endswith("embed_tokens.weight") else shape[-1] ** -0.5
+    return (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+
+
+def shard_of(name: str) -> str:
+    """Tensors go to one shard per decoder layer, and one for the rest (embedding, final norm, head)."""
+    parts = name.split(".")
+    return f"layer{int(parts[parts.index('layers') + 1]):03d}" if "layers" in parts else "rest"
+
+
+def write_tokenizer(folder: Path, source: str | None = None) -> None:
+    """SmolLM2's byte-level BPE tokenizer, taken from the embedded GGUF, as tokenizer.json + tokenizer_config.json;
+    or copied from `source`, a folder holding those two files (where the package with the GGUF is not installed,
+    e.g. on a GPU machine without internet: write them once with `--write-tokenizer DIR` where it is)."""
+    if source is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(source) / name, folder / name)
+        return
+    from strata.model.checkpoint import open_checkpoint
+    from strata.model.loader import resolve_model_path
+
+    parts = open_checkpoint(resolve_model_path(TOKENIZER_SOURCE)).tokenizer_parts()
+    backend = parts["tokenizer"]
+    backend.save(str(folder / "tokenizer.json"))
+    token = lambda i: backend.id_to_token(i) if i is not None else None  # noqa: E731
+    config = {"bos_token": token(parts["bos_token_id"]), "eos_token": token(parts["eos_token_id"]),
+              "add_bos_token": parts["add_bos_token"], "chat_template": parts["chat_template"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_random_checkpoint(spec, vocab: int, folder: Path, device: torch.device, tokenizer: str | None = None) -> None:
+    """A safetensors folder at the spec's shape with random bfloat16 weights, written layer by layer (the model
+    is built on the meta device for its tensor names and shapes only), then moved into place."""
+    import transformers
+    from safetensors.torch import save_file
+
+    config = hf_config(spec, vocab)
+    model_cls = getattr(transformers, HF_MODELS[spec.family])
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in model_cls(config).named_parameters()}
+    shards: dict[str, list[str]] = {}
+    for name in shapes:
+        shards.setdefault(shard_of(name), []).append(name)
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight_map, total = {}, 0
+    for k, (shard, names) in enumerate(sorted(shards.items())):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: random_tensor(name, shapes[name], gen, device) for name in names}
+        save_file(tensors, str(partial / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
+        print(f"  wrote {file} ({shard}, {total / 1e9:.1f} GB so far)", flush=True)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config.architectures = [model_cls.__name__]
+    config.save_pretrained(partial)
+    write_tokenizer(partial, tokenizer)
+    partial.rename(folder)
+
+
+def same_shape(a, b) -> bool:
+    """Whether two specs describe the same computation (what a random checkpoint must reproduce)."""
+    keys = ("family", "hidden_size", "vocab_size", "layers", "attention", "moe", "gdn", "tie_embeddings")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def random_checkpoint(args) -> Path:
+    """The cached random-weight folder for `--shape/--layers/--vocab`, written first when it is not there."""
+    from shapes import shape
+
+    from strata.model.loader import ModelFiles
+
+    spec = replace(shape(args.shape, args.layers), vocab_size=args.vocab)
+    folder = Path(args.checkpoint_dir).expanduser() / f"{args.shape}-{spec.num_layers}L-v{args.vocab}"
+    if not (folder / "model.safetensors.index.json").exists():
+        print(f"writing random {args.shape} weights ({spec.num_layers} layers, vocabulary {args.vocab}) to {folder}")
+        device = torch.device(args.device if args.device.startswith("cuda") else "cpu")
+        write_random_checkpoint(spec, args.vocab, folder, device, args.tokenizer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the server's engine gets the memory the random draws held
+    got = ModelFiles.open(folder).spec
+    if not same_shape(got, spec):
+        raise SystemExit(f"{folder} does not hold the {args.shape} shape: read {got}, want {spec}")
+    return folder
+
+
+def model_path(args) -> str:
+    return str(random_checkpoint(args)) if args.shape else args.model
+
+
+def prompts(tag: str, count: int, length: int, vocab: int) -> list[list[int]]:
+    """`count` distinct prompts of `length` token ids (ids below 100, SmolLM2's special tokens, are left out);
+    each tag draws its own, so no prompt shares a prefix the engine could reuse."""
+    out = []
+    for i in range(count):
+        rng = random.Random(f"{tag}/{i}")
+        out.append([rng.randrange(100, vocab) for _ in range(length)])
+    return out
+
+
+# the server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args) -> list[str]:
+    flags = ["--device", args.device, "--dtype", args.dtype, "--batch", str(args.batch),
+             "--max-cells", str(args.max_cells)]
+    if args.max_window_tokens is not None:
+        flags += ["--max-window-tokens", str(args.max_window_tokens)]
+    return flags
+
+
+class ServerProcess:
+    """`strata serve` on loopback and a free port, its output in a log file."""
+
+    def __init__(self, model: str, args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="strata-serve-", suffix=".log")
+        self.log = os.fdopen(fd, "w")
+        argv = [sys.executable, "-m", "strata.cli", "serve", "--model", model, "--host", "127.0.0.1",
+                "--port", str(self.port), *engine_flags(args)]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.engine_pid: int | None = None
+
+    def wait_healthy(self) -> float:
+        """Poll /health until it answers 200; the seconds since the process started."""
+        deadline = self.started + STARTUP_DEADLINE_S
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"strata serve exited with code {self.proc.returncode}; see {self.log_path}:\n"
+                                 + self.log_tail())
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    took = time.perf_counter() - self.started
+                    self.engine_pid = self.facts().get("engine_facts", {}).get("pid")
+                    return took
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"strata serve was not healthy within {STARTUP_DEADLINE_S} s; see {self.log_path}")
+
+    def facts(self) -> dict:
+        return httpx.get(self.url + "/metrics", timeout=10).json()
+
+    def wait_idle(self, deadline_s: float = 120.0) -> None:
+        """Until the server runs and holds no request (aborted streams end a moment after their clients go)."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            facts = self.facts()
+            if facts["requests_running"] == 0 and facts["requests_waiting"] == 0:
+                return
+            time.sleep(0.1)
+        raise SystemExit(f"the server still runs requests after {deadline_s} s")
+
+    def log_tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        return "".join(Path(self.log_path).read_text().splitlines(keepends=True)[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the server (it stops its engine), then wait until the engine process is gone too."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.engine_pid is not None and not wait_gone(self.engine_pid, 30):
+            print(f"the engine process {self.engine_pid} outlived the server; stopping it", file=sys.stderr)
+            os.kill(self.engine_pid, signal.SIGTERM)
+            wait_gone(self.engine_pid, 30)
+        self.log.close()
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# streaming clients
+
+
+@dataclass
+class Stream:
+    """One streaming request as its client saw it (perf_counter seconds)."""
+
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # arrival of each SSE chunk that carried text
+    end: float = 0.0  # arrival of the chunk with the finish reason
+    tokens: int = 0  # completion tokens (the usage chunk)
+    error: str | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first text chunk, or at the end
+
+    @property
+    def ttft(self) -> float | None:
+        """Until the first text chunk (or the end, for an answer that showed no text)."""
+        first = self.chunks[0] if self.chunks else self.end
+        return first - self.sent if first else None
+
+    def gaps(self, start: float = float("-inf"), stop: float = float("inf")) -> list[float]:
+        """Gaps between consecutive text chunks; with a span, only the gaps that overlap it."""
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:]) if b > start and a < stop]
+
+
+def completion_body(ids: list[int], max_tokens: int) -> dict:
+    return {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def run_stream(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int, s: Stream) -> Stream:
+    """Send one streaming completion and record when its chunks arrive into `s`."""
+    s.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=completion_body(ids, max_tokens)) as reply:
+            if reply.status_code != 200:
+                s.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return s
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = chunk["error"].get("message", "error")
+                for choice in chunk.get("choices", []):
+                    if choice.get("text"):
+                        s.chunks.append(now)
+                        s.started.set()
+                    if choice.get("finish_reason"):
+                        s.end = now
+                if chunk.get("usage"):
+                    s.tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        s.error = f"{type(e).__name__}: {e}"
+    finally:
+        s.started.set()  # also when it failed or ended without text: nobody waits for it forever
+    return s
+
+
+async def one_request(url: str, ids: list[int], max_tokens: int) -> Stream:
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
+        return await run_stream(client, url, ids, max_tokens, Stream())
+
+
+async def wave(url: str, wave_prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+    """All prompts sent at once, each by its own client over its own connection."""
+    clients = [httpx.AsyncClient(timeout=HTTP_TIMEOUT) for _ in wave_prompts]
+    try:
+        return list(await asyncio.gather(*(run_stream(c, url, ids, max_tokens, Stream())
+                                           for c, ids in zip(clients, wave_prompts))))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), interpolated between the nearest ranks; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    x = (len(v) - 1) * q / 100
+    lo = int(x)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
+
+
+def wave_figures(streams: list[Stream]) -> dict:
+    done = [s for s in streams if s.error is None]
+    gaps = [g for s in done for g in s.gaps()]
+    ttfts = [s.ttft for s in done if s.ttft is not None]
+    wall = max((s.end for s in done), default=0.0) - min(s.sent for s in streams)
+    tokens = sum(s.tokens for s in done)
+    return {"clients": len(streams), "errors": len(streams) - len(done), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99),
+            "first_error": next((s.error for s in streams if s.error), None)}
+
+
+# the server's scenarios
+
+
+async def first_requests(server: ServerProcess, vocab: int, max_tokens: int) -> dict:
+    """(c) The first request after start, a new one of the same kind once warm, and the first one's prompt again."""
+    first, second = prompts("first", 2, PROMPT_LEN, vocab)
+    cold = await one_request(server.url, first, max_tokens)
+    warm = await one_request(server.url, second, max_tokens)
+    again = await one_request(server.url, first, max_tokens)
+    for s in (cold, warm, again):
+        if s.error or s.ttft is None:
+            raise SystemExit(f"the first requests failed: {s.error}; see {server.log_path}:\n{server.log_tail()}")
+    return {"cold_ttft_s": cold.ttft, "warm_ttft_s": warm.ttft, "cold_over_warm": cold.ttft / warm.ttft,
+            "same_prompt_ttft_s": again.ttft}
+
+
+async def waves(server: ServerProcess, wave_prompts: dict[int, list[list[int]]], max_tokens: int) -> dict[int, dict]:
+    """(a) A wave of N simultaneous streams for each N."""
+    out = {}
+    for n, batch in wave_prompts.items():
+        server.wait_idle()
+        out[n] = wave_figures(await wave(server.url, batch, max_tokens))
+        print(f"  wave of {n}: {out[n]['tok_s']:.1f} tok/s", flush=True)
+    return out
+
+
+async def stall_case(server: ServerProcess, args, vocab: int, num_streams: int, stream_tokens: int) -> dict:
+    """(b) Streams run; one long prompt arrives: how long do the streams stall, and how long does it wait?"""
+    idle_prompt, busy_prompt = prompts("long", 2, args.long_prompt, vocab)
+    server.wait_idle()
+    idle = await one_request(server.url, idle_prompt, 1)
+    streams = [Stream() for _ in range(num_streams)]
+    clients = [httpx.AsyncClient(timeout=HTTP_TIMEOUT) for _ in streams]
+    tasks = [asyncio.create_task(run_stream(c, server.url, ids, stream_tokens, s))
+             for c, ids, s in zip(clients, prompts("stall", num_streams, PROMPT_LEN, vocab), streams)]
+    try:
+        await asyncio.gather(*(s.started.wait() for s in streams))
+        await asyncio.sleep(STALL_SETTLE_S)
+        long = await one_request(server.url, busy_prompt, 1)
+        await asyncio.sleep(STALL_SETTLE_S)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(c.aclose() for c in clients))
+    long_done = long.sent + (long.ttft or 0.0)
+    errors = [s.error for s in (idle, long, *streams) if s.error]
+    return {"streams": num_streams, "long_prompt": args.long_prompt,
+            "idle_ttft_s": idle.ttft, "busy_ttft_s": long.ttft,
+            "busy_over_idle": long.ttft / idle.ttft if idle.ttft and long.ttft else None,
+            "gap_p50_before_s": percentile([g for s in streams for g in s.gaps(stop=long.sent)], 50),
+            "worst_gap_during_s": max((g for s in streams for g in s.gaps(long.sent, long_done)), default=None),
+            "worst_gap_overall_s": max((g for s in streams for g in s.gaps()), default=None),
+            "streams_ended_early": sum(1 for s in streams if s.end and s.end < long_done),
+            "first_error": errors[0] if errors else None}
+
+
+async def measure_server(server: ServerProcess, args, vocab: int, wave_prompts: dict[int, list[list[int]]]) -> dict:
+    out = {"first_request": await first_requests(server, vocab, min(args.tokens, 16))}
+    print("  first request done", flush=True)
+    out["waves"] = await waves(server, wave_prompts, args.tokens)
+    num_streams = min(STALL_STREAMS, args.batch - 1)  # one slot stays free for the long prompt
+    stream_tokens = min(STALL_STREAM_TOKENS, args.max_cells - PROMPT_LEN - 1)
+    if num_streams < 1:
+        print("  stall case skipped: --batch 1 leaves no slot beside a stream")
+    else:
+        out["stall"] = await stall_case(server, args, vocab, num_streams, stream_tokens)
+    return out
+
+
+# the in-process anchor
+
+
+def torch_dtype(args) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.float32 if args.device == "cpu" else torch.bfloat16
+    return getattr(torch, args.dtype)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def run_in_process(slots, batch: list[list[int]], max_tokens: int, device: str) -> tuple[int, float]:
+    """Admit every prompt at once and step until all are done: (tokens generated, seconds)."""
+    from strata.runtime.sampling import SamplingParams
+
+    sync(device)
+    start = time.perf_counter()
+    for i, ids in enumerate(batch):
+        slots.admit(i, ids, max_tokens, SamplingParams(), stop_ids=frozenset())
+    generated = 0
+    while slots.active or slots.in_flight:
+        generated += len(slots.step())
+    sync(device)
+    return generated, time.perf_counter() - start
+
+
+def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[list[int]]]) -> dict[int, dict]:
+    """The same waves through the engine in this process: `Engine` + `warm_up` + slots, as `strata engine` runs."""
+    from strata.model.loader import ModelFiles
+    from strata.runtime.generate import Engine
+    from strata.runtime.warmup import warm_up
+
+    engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
+                    max_window_tokens=args.max_window_tokens)
+    slots = engine.init_slots(args.batch)
+    warm_up(slots)
+    run_in_process(slots, prompts("engine-first", 1, PROMPT_LEN, vocab), 16, args.device)  # as the first requests
+    out = {}
+    for n, batch in wave_prompts.items():
+        tokens, seconds = run_in_process(slots, batch, args.tokens, args.device)
+        out[n] = {"tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds}
+        print(f"  {n} at once: {tokens / seconds:.1f} tok/s", flush=True)
+    return out
+
+
+# the report
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def print_report(r: dict) -> None:
+    c = r["config"]
+    print()
+    print(f"== strata serve vs the in-process engine: {c['model']} ({c['layers']} layers) on {c['device']}, "
+          f"{c['dtype']}, batch {c['batch']}, max_cells {c['max_cells']}, {c['prompt_len']}-token prompts, "
+          f"{c['tokens']} tokens each")
+    load = r["load_average"]
+    print(f"start-up (process start to /health 200): {r['startup_s']:.1f} s")
+    print(f"the machine's 1-minute load average: {load['start']:.2f} at the start, {load['after_server']:.2f} after "
+          f"the server, {load['end']:.2f} at the end")
+    f = r["server"]["first_request"]
+    print(f"first request after start: TTFT {ms(f['cold_ttft_s'])}; warm (a new prompt): {ms(f['warm_ttft_s'])}; "
+          f"first / warm {f['cold_over_warm']:.2f}x; the first prompt again (prefix reused): "
+          f"{ms(f['same_prompt_ttft_s'])}")
+    print()
+    head = (f"{'clients':>7} {'HTTP tok/s':>11} {'engine tok/s':>13} {'HTTP/engine':>12} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} {'errors':>6}")
+    print(head)
+    for n, w in r["server"]["waves"].items():
+        e = r["engine"][n]
+        print(f"{n:>7} {w['tok_s']:>11.1f} {e['tok_s']:>13.1f} {w['tok_s'] / e['tok_s']:>11.2f}x "
+              f"{ms(w['ttft_p50_s']):>9} {ms(w['ttft_p99_s']):>9} {ms(w['gap_p50_s']):>8} {ms(w['gap_p99_s']):>8} "
+              f"{w['errors']:>6}")
+    for n, w in r["server"]["waves"].items():
+        if w["first_error"]:
+            print(f"  wave of {n}: {w['errors']} failed, e.g. {w['first_error']}")
+    s = r["server"].get("stall")
+    if s:
+        print()
+        print(f"stall: {s['streams']} streams running, then one {s['long_prompt']}-token prompt (max_tokens 1)")
+        ratio = f"{s['busy_over_idle']:.2f}x" if s["busy_over_idle"] else "-"
+        print(f"  long prompt TTFT: {ms(s['busy_ttft_s'])} beside the streams, {ms(s['idle_ttft_s'])} on the idle "
+              f"server ({ratio})")
+        print(f"  the streams' gaps: median {ms(s['gap_p50_before_s'])} before it, worst {ms(s['worst_gap_during_s'])} "
+              f"while it was read, worst {ms(s['worst_gap_overall_s'])} overall")
+        if s["streams_ended_early"]:
+            print(f"  note: {s['streams_ended_early']} stream(s) ended before the long prompt was answered")
+        if s["first_error"]:
+            print(f"  error: {s['first_error']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="a Hugging Face folder, a .gguf file, or default (SmolLM2-135M)")
+    p.add_argument("--shape", help="instead of --model: random weights at this shape (bench/shapes.py)")
+    p.add_argument("--layers", type=int, help="with --shape: keep the first N layers")
+    p.add_argument("--vocab", type=int, default=49152,
+                   help="with --shape: the vocabulary (default 49152, SmolLM2's: the tokenizer the folder gets)")
+    p.add_argument("--checkpoint-dir", default="~/.cache/strata-bench",
+                   help="with --shape: where random-weight folders are written and found again")
+    p.add_argument("--tokenizer", help="with --shape: a folder with tokenizer.json + tokenizer_config.json to use "
+                   "(default: SmolLM2's, from the embedded GGUF)")
+    p.add_argument("--write-tokenizer", metavar="DIR", help="only write SmolLM2's tokenizer files into DIR, then exit")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batch", type=int, default=64, help="slots of the server and of the in-process engine")
+    p.add_argument("--max-cells", type=int, default=4096)
+    p.add_argument("--max-window-tokens", type=int, help="default: the engine's for the device")
+    p.add_argument("--concurrency", default="1,8,16,32,64", help="clients per wave (capped by --batch)")
+    p.add_argument("--tokens", type=int, default=256, help="max_tokens of each wave request")
+    p.add_argument("--long-prompt", type=int, default=6000,
+                   help="tokens of the stall case's prompt (max_cells - 2 at most)")
+    p.add_argument("--json", help="also write every figure to this file")
+    args = p.parse_args(argv)
+    if args.shape:
+        from shapes import SHAPES
+
+        if args.shape not in SHAPES:
+            p.error(f"--shape {args.shape!r}: known shapes are {', '.join(SHAPES)}")
+    args.long_prompt = min(args.long_prompt, args.max_cells - 2)
+    if PROMPT_LEN + args.tokens > args.max_cells:
+        p.error(f"--tokens {args.tokens}: a {PROMPT_LEN}-token prompt and its answer must fit "
+                f"--max-cells {args.max_cells}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.write_tokenizer:
+        Path(args.write_tokenizer).mkdir(parents=True, exist_ok=True)
+        write_tokenizer(Path(args.write_tokenizer))
+        return
+    from strata.model.loader import ModelFiles
+
+    model = model_path(args)
+    spec = ModelFiles.open(model).spec
+    vocab = spec.vocab_size
+    counts = sorted({min(int(n), args.batch) for n in args.concurrency.split(",")})
+    wave_prompts = {n: prompts(f"wave{n}", n, PROMPT_LEN, vocab) for n in counts}
+    dtype = str(torch_dtype(args)).removeprefix("torch.")
+    cuda = args.device.startswith("cuda")
+    where = torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine()
+    start_load = os.getloadavg()[0]
+    print(f"{args.shape or args.model} on {args.device} ({where}, {os.cpu_count()} CPUs), {dtype}, "
+          f"torch {torch.__version__}; load average {start_load:.2f}")
+
+    print("strata serve:", flush=True)
+    server = ServerProcess(model, args)
+    try:
+        startup = server.wait_healthy()
+        print(f"  healthy after {startup:.1f} s (log: {server.log_path})", flush=True)
+        served = asyncio.run(measure_server(server, args, vocab, wave_prompts))
+    finally:
+        server.stop()
+    load = {"start": start_load, "after_server": os.getloadavg()[0]}
+    print("in-process engine:", flush=True)
+    engine = measure_engine(model, args, vocab, wave_prompts)
+    load["end"] = os.getloadavg()[0]
+
+    config = dict(vars(args))
+    config.update(model=args.shape or args.model, path=model, layers=spec.num_layers, dtype=dtype,
+                  prompt_len=PROMPT_LEN, concurrency=counts, machine=where, torch=torch.__version__)
+    report = {"config": config, "startup_s": startup, "server": served, "engine": engine, "load_average": load}
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
