@@ -474,38 +474,104 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
-def run_in_process(slots, batch: list[list[int]], max_tokens: int, device: str) -> tuple[int, float]:
-    """Admit every prompt at once and step until all are done: (tokens generated, seconds)."""
-    from strata.runtime.sampling import SamplingParams
+class InProcess:
+    """The engine in this process driven as `strata engine` drives it: protocol lines into a `Scheduler`, its
+    events stamped as they come (so TTFT and the gaps between a request's tokens are measured as over HTTP, less
+    the HTTP server and the pipes)."""
 
-    sync(device)
-    start = time.perf_counter()
-    for i, ids in enumerate(batch):
-        slots.admit(i, ids, max_tokens, SamplingParams(), stop_ids=frozenset())
-    generated = 0
-    while slots.active or slots.in_flight:
-        generated += len(slots.step())
-    sync(device)
-    return generated, time.perf_counter() - start
+    def __init__(self, scheduler, device: str):
+        self.scheduler, self.device = scheduler, device
+        self.stamps: dict[str, list[float]] = {}  # request id -> when each of its tokens came
+        self.added: dict[str, float] = {}
+        self.ended: set[str] = set()
+        self.count = 0
+        scheduler.emit = self._event
+
+    def _event(self, line: str) -> None:
+        words = line.split()
+        now = time.perf_counter()
+        if words[0] == "TOK":
+            for k in range(1, len(words) - 1, 2):
+                self.stamps.setdefault(words[k], []).append(now)
+        elif words[0] == "END":
+            self.ended.add(words[1])
+        elif words[0] == "ERR":
+            raise RuntimeError(f"the engine refused a request: {line}")
+
+    def add(self, ids: list[int], max_tokens: int) -> str:
+        self.count += 1
+        rid = f"b{self.count}"
+        self.added[rid] = time.perf_counter()
+        self.scheduler.handle(f"ADD {rid} {max_tokens} ignore_eos=1 " + " ".join(map(str, ids)))
+        return rid
+
+    def step_until(self, done) -> None:
+        while not done():
+            self.scheduler.step()
+
+    def ttft(self, rid: str) -> float | None:
+        return self.stamps[rid][0] - self.added[rid] if self.stamps.get(rid) else None
+
+    def gaps(self, rid: str, start: float = float("-inf"), stop: float = float("inf")) -> list[float]:
+        t = self.stamps.get(rid, [])
+        return [b - a for a, b in zip(t, t[1:]) if start <= b and a <= stop]
+
+    @torch.inference_mode()
+    def wave(self, batch: list[list[int]], max_tokens: int) -> dict:
+        """Every prompt added at once, stepped until all are done."""
+        sync(self.device)
+        start = time.perf_counter()
+        rids = [self.add(ids, max_tokens) for ids in batch]
+        self.step_until(lambda: all(r in self.ended for r in rids))
+        sync(self.device)
+        wall = time.perf_counter() - start
+        tokens = sum(len(self.stamps.get(r, [])) for r in rids)
+        ttfts = [self.ttft(r) for r in rids]
+        gaps = [g for r in rids for g in self.gaps(r)]
+        return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
+                "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99)}
+
+    @torch.inference_mode()
+    def stall(self, args, vocab: int, num_streams: int) -> dict:
+        """The stall case in process: the long prompt alone, then beside `num_streams` decoding requests."""
+        idle_prompt, busy_prompt = prompts("engine-long", 2, args.long_prompt, vocab)
+        idle = self.add(idle_prompt, 1)
+        self.step_until(lambda: idle in self.ended)
+        streams = [self.add(ids, 100_000) for ids in prompts("engine-stall", num_streams, PROMPT_LEN, vocab)]
+        self.step_until(lambda: all(len(self.stamps.get(r, [])) >= 20 for r in streams))
+        long = self.add(busy_prompt, 1)
+        sent = self.added[long]
+        self.step_until(lambda: long in self.ended)
+        done = self.stamps[long][0]
+        for r in streams:
+            self.scheduler.handle(f"ABORT {r}")
+        self.step_until(lambda: not self.scheduler.busy)
+        return {"idle_ttft_s": self.ttft(idle), "busy_ttft_s": self.ttft(long),
+                "busy_over_idle": self.ttft(long) / self.ttft(idle),
+                "worst_gap_during_s": max((g for r in streams for g in self.gaps(r, sent, done)), default=None)}
 
 
-def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[list[int]]]) -> dict[int, dict]:
-    """The same waves through the engine in this process: `Engine` + `warm_up` + slots, as `strata engine` runs."""
+def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[list[int]]],
+                   stall_streams: int) -> dict:
+    """The same waves and stall case through the engine in this process: `Engine` + `Scheduler` (+ `warm_up`), as
+    `strata engine` runs them, protocol lines in, events out."""
     from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine
+    from strata.runtime.scheduler import Scheduler
     from strata.runtime.warmup import warm_up
 
     engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
                     max_window_tokens=args.max_window_tokens)
-    slots = engine.init_slots(args.batch)
-    warm_up(slots)
-    run_in_process(slots, prompts("engine-first", 1, PROMPT_LEN, vocab), 16, args.device)  # as the first requests
-    out = {}
+    scheduler = Scheduler(engine, args.batch, lambda line: None)
+    warm_up(scheduler.slots)
+    driver = InProcess(scheduler, args.device)
+    driver.wave(prompts("engine-first", 1, PROMPT_LEN, vocab), 16)  # as the first requests
+    out: dict = {"waves": {}}
     for n, batch in wave_prompts.items():
-        tokens, seconds = run_in_process(slots, batch, args.tokens, args.device)
-        out[n] = {"tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds}
-        print(f"  {n} at once: {tokens / seconds:.1f} tok/s", flush=True)
+        w = out["waves"][n] = driver.wave(batch, args.tokens)
+        print(f"  {n} at once: {w['tok_s']:.1f} tok/s, TTFT p50 {ms(w['ttft_p50_s'])}", flush=True)
+    if stall_streams:
+        out["stall"] = driver.stall(args, vocab, stall_streams)
     return out
 
 
@@ -532,13 +598,14 @@ def print_report(r: dict) -> None:
           f"{ms(f['same_prompt_ttft_s'])}")
     print()
     head = (f"{'clients':>7} {'HTTP tok/s':>11} {'engine tok/s':>13} {'HTTP/engine':>12} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} {'errors':>6}")
+            f"{'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} {'errors':>6} {'engine TTFT p50':>16} {'gap p50':>8} "
+            f"{'gap p99':>8}")
     print(head)
     for n, w in r["server"]["waves"].items():
-        e = r["engine"][n]
+        e = r["engine"]["waves"][n]
         print(f"{n:>7} {w['tok_s']:>11.1f} {e['tok_s']:>13.1f} {w['tok_s'] / e['tok_s']:>11.2f}x "
               f"{ms(w['ttft_p50_s']):>9} {ms(w['ttft_p99_s']):>9} {ms(w['gap_p50_s']):>8} {ms(w['gap_p99_s']):>8} "
-              f"{w['errors']:>6}")
+              f"{w['errors']:>6} {ms(e['ttft_p50_s']):>16} {ms(e['gap_p50_s']):>8} {ms(e['gap_p99_s']):>8}")
     for n, w in r["server"]["waves"].items():
         if w["first_error"]:
             print(f"  wave of {n}: {w['errors']} failed, e.g. {w['first_error']}")
@@ -551,6 +618,11 @@ def print_report(r: dict) -> None:
               f"server ({ratio})")
         print(f"  the streams' gaps: median {ms(s['gap_p50_before_s'])} before it, worst {ms(s['worst_gap_during_s'])} "
               f"while it was read, worst {ms(s['worst_gap_overall_s'])} overall")
+        e = r["engine"].get("stall")
+        if e:
+            print(f"  in process: long prompt TTFT {ms(e['busy_ttft_s'])} beside the streams, {ms(e['idle_ttft_s'])} "
+                  f"alone ({e['busy_over_idle']:.2f}x); the streams' worst gap while it was read "
+                  f"{ms(e['worst_gap_during_s'])}")
         if s["streams_ended_early"]:
             print(f"  note: {s['streams_ended_early']} stream(s) ended before the long prompt was answered")
         if s["first_error"]:
@@ -623,7 +695,8 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
     load = {"start": start_load, "after_server": os.getloadavg()[0]}
     print("in-process engine:", flush=True)
-    engine = measure_engine(model, args, vocab, wave_prompts)
+    stall_streams = served["stall"]["streams"] if served.get("stall") else 0
+    engine = measure_engine(model, args, vocab, wave_prompts, stall_streams)
     load["end"] = os.getloadavg()[0]
 
     config = dict(vars(args))

@@ -76,13 +76,19 @@ def run_engine(s: EngineSettings) -> None:
     from strata.runtime.pipe import Pipe
     from strata.runtime.scheduler import Scheduler
 
+    import logging
+
     from strata.runtime.warmup import warm_up
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    start = time.perf_counter()
     engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
                     park_gb=s.park_gb, **s.stage_options())
     pipe = Pipe(sys.stdin, sys.stdout)
     scheduler = Scheduler(engine, s.batch, pipe.emit, s.max_waiting)
+    loaded = time.perf_counter()
+    logging.getLogger("strata.engine").info("model loaded in %.1f s", loaded - start)
     warm_up(scheduler.slots)  # before READY: nothing is compiled or captured on a request's path
     pipe.serve(scheduler)
 

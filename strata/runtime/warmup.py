@@ -6,12 +6,15 @@ on first use. Either costs from milliseconds to seconds, and must not fall on a 
 `READY` the engine runs, on its own idle slots:
 
 1. a decode window of every row count a group can hold (1 .. the largest group), which captures its graph;
-2. prompt windows of the chunk sizes the budget gives (powers of two and their neighbours up to
-   `--max-window-tokens`), read one after another so later chunks start past position 0;
-3. the sampler over greedy, sampled and penalised rows of several counts.
+2. prompt windows of the chunk sizes a window can hold (every size up to 64 rows, then every 8th, and the
+   budget less each possible count of decoding rows), read one after another so later chunks start past position
+   0: besides Triton's specializations, torch's GEMMs load a kernel the first time a row count of theirs comes;
+3. the sampler over greedy, sampled and penalised rows of several counts;
+4. requests through the slots as the engine runs them: several prompts read together in mixed windows beside
+   decoding rows (several logit rows in a prompt part, tokens fed on the device with lookahead).
 
-Nothing is committed: the slots are reset afterwards, so the first request finds them empty. On the torch
-references (the CPU) there is nothing to compile and the warm-up is skipped.
+The slots are reset and the parking lot emptied afterwards, so the first request finds the engine as new. On
+the torch references (the CPU) there is nothing to compile and the warm-up is skipped.
 """
 
 from __future__ import annotations
@@ -30,18 +33,27 @@ from strata.runtime.window import Window
 log = logging.getLogger("strata.engine")
 
 
-def prompt_sizes(budget: int) -> list[int]:
-    """Chunk sizes that cover the specializations a prompt window of up to `budget` rows can meet."""
-    sizes = {2, 3, 15, 16, 17, budget, max(2, budget - 1)}
-    p = 4
-    while p < budget:
-        sizes |= {p, p + 1}
-        p *= 2
+def prompt_sizes(budget: int, decode_rows: int) -> list[int]:
+    """Prompt-part row counts that cover the kernels a window of up to `budget` rows can meet, `decode_rows` at
+    most of them decoding: every count up to 64, every 8th above, and the budget less each decoding count."""
+    sizes = set(range(2, 65)) | set(range(64, budget + 1, 8)) | {budget - d for d in range(decode_rows + 1)}
     return sorted(s for s in sizes if 2 <= s <= budget)
 
 
 def sample_counts(num_slots: int) -> list[int]:
     return sorted({1, 2, 3, 16, 17, num_slots} & set(range(1, num_slots + 1)) | {num_slots})
+
+
+def mixed_rounds(slots: Slots) -> list[list[list[int]]]:
+    """Prompts for the request rounds of the warm-up: one long prompt beside short ones (windows mixing decode
+    rows and chunks of several prompts), then a short prompt in every slot (many logit rows in a prompt part)."""
+    n, budget = len(slots), slots.budget
+    cells = slots.engine.max_cells - 4
+    longest = min(2 * budget + 7, cells)
+    k = min(n, 8)  # the short prompts first: they decode while the long one (the last) is read beside them
+    first = [[1 + (7 * j) % 97 for j in range(min(longest if i == k - 1 else 3 + 5 * i, cells))] for i in range(k)]
+    second = [[1 + (11 * j + i) % 97 for j in range(min(1 + i % 17, cells))] for i in range(n)]
+    return [first, second]
 
 
 def progress_printer(total: int, stream=None) -> Callable[[int, str], None]:
@@ -72,9 +84,10 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
         return 0.0
     start = time.perf_counter()
     rows = list(range(1, max(len(g) for g in slots.groups) + 1))
-    sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1))
+    sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1), rows[-1])
     counts = sample_counts(len(slots))
-    total = len(rows) + len(sizes) + len(counts)
+    rounds = mixed_rounds(slots)
+    total = len(rows) + len(sizes) + len(counts) + len(rounds)
     show = progress or progress_printer(total)
     done = 0
     states = [s.state for s in slots.slots]
@@ -103,10 +116,21 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
                seen, counts_)
         done += 1
         show(done, f"sampler over {r} row(s)")
+    for k, requests in enumerate(rounds):  # requests through the slots: mixed windows, lookahead, many logit rows
+        for i, prompt in enumerate(requests):
+            slots.admit(i, prompt, 3, SamplingParams(), frozenset())
+        while slots.active or slots.in_flight:
+            slots.step()
+        for state in states:
+            state.reset()
+        done += 1
+        show(done, f"{len(requests)} requests through the slots")
     for state in states:
         state.reset()
+    engine.parking.clear()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     took = time.perf_counter() - start
-    log.info("warm-up: %d decode graphs, %d prompt chunk sizes and the sampler in %.1f s", len(rows), len(sizes), took)
+    log.info("warm-up: %d decode graphs, %d prompt chunk sizes, the sampler and %d request rounds in %.1f s",
+             len(rows), len(sizes), len(rounds), took)
     return took
