@@ -442,6 +442,7 @@ async def stall_case(server: ServerProcess, args, vocab: int, num_streams: int, 
             "busy_over_idle": long.ttft / idle.ttft if idle.ttft and long.ttft else None,
             "gap_p50_before_s": percentile([g for s in streams for g in s.gaps(stop=long.sent)], 50),
             "worst_gap_during_s": max((g for s in streams for g in s.gaps(long.sent, long_done)), default=None),
+            "gap_p99_during_s": percentile([g for s in streams for g in s.gaps(long.sent, long_done)], 99),
             "worst_gap_overall_s": max((g for s in streams for g in s.gaps()), default=None),
             "streams_ended_early": sum(1 for s in streams if s.end and s.end < long_done),
             "first_error": errors[0] if errors else None}
@@ -548,7 +549,25 @@ class InProcess:
         self.step_until(lambda: not self.scheduler.busy)
         return {"idle_ttft_s": self.ttft(idle), "busy_ttft_s": self.ttft(long),
                 "busy_over_idle": self.ttft(long) / self.ttft(idle),
-                "worst_gap_during_s": max((g for r in streams for g in self.gaps(r, sent, done)), default=None)}
+                "worst_gap_during_s": max((g for r in streams for g in self.gaps(r, sent, done)), default=None),
+                "gap_p99_during_s": percentile([g for r in streams for g in self.gaps(r, sent, done)], 99),
+                "worst_gap_overall_s": max((g for r in streams for g in self.gaps(r)), default=None)}
+
+
+def timed(obj, name: str) -> list[float]:
+    """Wrap obj.name so that its seconds add up in the returned one-element list."""
+    spent = [0.0]
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+    return spent
 
 
 def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[list[int]]],
@@ -564,12 +583,19 @@ def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[li
                     max_window_tokens=args.max_window_tokens)
     scheduler = Scheduler(engine, args.batch, lambda line: None)
     warm_up(scheduler.slots)
+    admitting = timed(scheduler, "_admit_waiting")  # where a wave's admissions spend their time (parking, reuse)
     driver = InProcess(scheduler, args.device)
-    driver.wave(prompts("engine-first", 1, PROMPT_LEN, vocab), 16)  # as the first requests
     out: dict = {"waves": {}}
+    first = driver.wave(prompts("engine-first", 1, PROMPT_LEN, vocab), 16)  # as the first requests after start
+    warm = driver.wave(prompts("engine-warm", 1, PROMPT_LEN, vocab), 16)
+    out["first_request"] = {"cold_ttft_s": first["ttft_p50_s"], "warm_ttft_s": warm["ttft_p50_s"]}
+    print(f"  first request TTFT {ms(first['ttft_p50_s'])}, warm {ms(warm['ttft_p50_s'])}", flush=True)
     for n, batch in wave_prompts.items():
+        admitting[0] = 0.0
         w = out["waves"][n] = driver.wave(batch, args.tokens)
-        print(f"  {n} at once: {w['tok_s']:.1f} tok/s, TTFT p50 {ms(w['ttft_p50_s'])}", flush=True)
+        w["admission_s"] = admitting[0]
+        print(f"  {n} at once: {w['tok_s']:.1f} tok/s, TTFT p50 {ms(w['ttft_p50_s'])}, admissions "
+              f"{ms(admitting[0])}", flush=True)
     if stall_streams:
         out["stall"] = driver.stall(args, vocab, stall_streams)
     return out
@@ -616,13 +642,15 @@ def print_report(r: dict) -> None:
         ratio = f"{s['busy_over_idle']:.2f}x" if s["busy_over_idle"] else "-"
         print(f"  long prompt TTFT: {ms(s['busy_ttft_s'])} beside the streams, {ms(s['idle_ttft_s'])} on the idle "
               f"server ({ratio})")
-        print(f"  the streams' gaps: median {ms(s['gap_p50_before_s'])} before it, worst {ms(s['worst_gap_during_s'])} "
-              f"while it was read, worst {ms(s['worst_gap_overall_s'])} overall")
+        print(f"  the streams' gaps: median {ms(s['gap_p50_before_s'])} before it; while it was read p99 "
+              f"{ms(s['gap_p99_during_s'])}, worst {ms(s['worst_gap_during_s'])}; worst {ms(s['worst_gap_overall_s'])} "
+              "overall")
         e = r["engine"].get("stall")
         if e:
             print(f"  in process: long prompt TTFT {ms(e['busy_ttft_s'])} beside the streams, {ms(e['idle_ttft_s'])} "
-                  f"alone ({e['busy_over_idle']:.2f}x); the streams' worst gap while it was read "
-                  f"{ms(e['worst_gap_during_s'])}")
+                  f"alone ({e['busy_over_idle']:.2f}x); the streams' gaps while it was read: p99 "
+                  f"{ms(e['gap_p99_during_s'])}, worst {ms(e['worst_gap_during_s'])}; worst overall "
+                  f"{ms(e['worst_gap_overall_s'])}")
         if s["streams_ended_early"]:
             print(f"  note: {s['streams_ended_early']} stream(s) ended before the long prompt was answered")
         if s["first_error"]:
