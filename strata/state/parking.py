@@ -23,6 +23,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -120,9 +121,47 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+_copier: ThreadPoolExecutor | None = None  # parks' host copies, off the scheduler's thread (made at first use)
+
+
+def _copy_later(tensors: list[torch.Tensor]) -> Future:
+    """`_to_host(tensors)` done by a worker thread: a pinned allocation takes milliseconds (tens for a long
+    conversation), which an admission must not wait for. Here the GPU tensors are only copied on the device (fast,
+    asynchronous); the worker waits for those copies, moves them to pinned memory on a stream of its own, and
+    the device copies are freed once it is done."""
+    global _copier
+    if _copier is None:
+        _copier = ThreadPoolExecutor(1, thread_name_prefix="strata-park")
+    staged = [t.clone() for t in tensors]
+    devices = {t.device for t in staged if t.device.type == "cuda"}
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+
+    def work() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            for event in events:
+                event.synchronize()
+            streams = {d: torch.cuda.Stream(device=d) for d in devices}
+            out = []
+            for device, stream in streams.items():
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    members = [j for j, t in enumerate(staged) if t.device == device]
+                    out += list(zip(members, _to_host([staged[j] for j in members])))
+            for stream in streams.values():
+                stream.synchronize()
+            done = dict(out)
+            return [done[j] if j in done else t for j, t in enumerate(staged)]
+
+    return _copier.submit(work)
+
+
 @dataclass
 class Snapshot:
-    """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it)."""
+    """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it).
+    From a GPU the copy is made by a worker thread (`_copy_later`); `wait` (and `restore`) wait for it."""
 
     tokens: list[int]
     k: dict[int, torch.Tensor]  # [length, Hkv, D]
@@ -130,36 +169,43 @@ class Snapshot:
     conv: dict[int, torch.Tensor]  # [K-1, C]
     recurrent: dict[int, torch.Tensor]  # [Hv, Dk, Dv] float32
     nbytes: int
-    copied: list = field(default_factory=list)  # CUDA events: the copies into host memory are done once they are
+    pending: Future | None = None  # the worker's host copies, in the order of `_parts`, until `wait` takes them
+    layers: list[list[int]] = field(default_factory=list, repr=False)  # the layer ids of k, v, conv, recurrent
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
+    @staticmethod
+    def _parts(state) -> list[tuple[dict, int | None]]:
+        return [(state.k, state.length), (state.v, state.length), (state.conv, None), (state.recurrent, None)]
+
     @classmethod
     @torch.inference_mode()
     def of(cls, state: SessionState) -> "Snapshot":
-        """Copy `state`'s committed prefix to host memory (asynchronously from a GPU)."""
-        n = state.length
-        parts = [(state.k, n), (state.v, n), (state.conv, None), (state.recurrent, None)]
-        flat = _to_host([t[:n] if n is not None else t for layers, n in parts for t in layers.values()])
-        dicts, at = [], 0
-        for layers, _ in parts:
-            dicts.append(dict(zip(layers, flat[at : at + len(layers)])))
-            at += len(layers)
-        snap = cls(list(state.tokens), *dicts, snapshot_bytes(state))
-        devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
-        for device in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            snap.copied.append(event)
+        """Copy `state`'s committed prefix to host memory (in the background from a GPU)."""
+        parts = cls._parts(state)
+        tensors = [t[:n] if n is not None else t for layers, n in parts for t in layers.values()]
+        on_gpu = any(t.device.type == "cuda" for t in tensors)
+        snap = cls(list(state.tokens), {}, {}, {}, {}, snapshot_bytes(state))
+        snap.layers = [list(layers) for layers, _ in parts]
+        if on_gpu:
+            snap.pending = _copy_later(tensors)
+        else:
+            snap._fill(_to_host(tensors))
         return snap
+
+    def _fill(self, flat: list[torch.Tensor]) -> None:
+        at = 0
+        for target, layers in zip((self.k, self.v, self.conv, self.recurrent), self.layers):
+            target.update(zip(layers, flat[at : at + len(layers)]))
+            at += len(layers)
 
     def wait(self) -> None:
         """Block until the copies into host memory are done (at once on the CPU)."""
-        for event in self.copied:
-            event.synchronize()
-        self.copied = []
+        if self.pending is not None:
+            self._fill(self.pending.result())
+            self.pending = None
 
     @torch.inference_mode()
     def restore(self, state: SessionState, length: int) -> None:
