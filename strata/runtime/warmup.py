@@ -13,7 +13,8 @@ on first use. Either costs from milliseconds to seconds, and must not fall on a 
 4. requests through the slots as the engine runs them: several prompts read together in mixed windows beside
    decoding rows (several logit rows in a prompt part, tokens fed on the device with lookahead).
 
-The slots are reset and the parking lot emptied afterwards, so the first request finds the engine as new. On
+The slots are reset and the parking lot emptied afterwards, so the first request finds the engine as new; the
+parking lot's host memory is pinned here too (`strata.state.parking.HostRing`). On
 the torch references (the CPU) there is nothing to compile and the warm-up is skipped.
 """
 
@@ -128,6 +129,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
     for state in states:
         state.reset()
     engine.parking.clear()
+    engine.parking.ring.reserve(pinned=device.type == "cuda")  # parking's host memory, pinned once, here
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     took = time.perf_counter() - start

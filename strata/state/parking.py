@@ -23,7 +23,6 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -99,69 +98,52 @@ def snapshot_bytes(state: SessionState) -> int:
     return cells + gdn
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of `tensors`: from a GPU into pinned memory without waiting (see `Snapshot.wait`), all of one
-    dtype in one pinned block (a pinned allocation costs far more than a copy: one per layer made parking a
-    conversation of 24 layers take tens of milliseconds)."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for j, t in enumerate(tensors):
-        if t.device.type != "cuda":
-            out[j] = t.clone()
-        else:
-            by_dtype.setdefault(t.dtype, []).append(j)
-    for dtype, members in by_dtype.items():
-        block = torch.empty(sum(tensors[j].numel() for j in members), dtype=dtype, pin_memory=True)
-        at = 0
-        for j in members:
-            t = tensors[j]
-            out[j] = block[at : at + t.numel()].view(t.shape)
-            out[j].copy_(t, non_blocking=True)
-            at += t.numel()
-    return out
+ALIGN = 256  # bytes: where each tensor of a snapshot starts in the ring
 
 
-_copier: ThreadPoolExecutor | None = None  # parks' host copies, off the scheduler's thread (made at first use)
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def _copy_later(tensors: list[torch.Tensor]) -> Future:
-    """`_to_host(tensors)` done by a worker thread: a pinned allocation takes milliseconds (tens for a long
-    conversation), which an admission must not wait for. Here the GPU tensors are only copied on the device (fast,
-    asynchronous); the worker waits for those copies, moves them to pinned memory on a stream of its own, and
-    the device copies are freed once it is done."""
-    global _copier
-    if _copier is None:
-        _copier = ThreadPoolExecutor(1, thread_name_prefix="strata-park")
-    staged = [t.clone() for t in tensors]
-    devices = {t.device for t in staged if t.device.type == "cuda"}
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
+class HostRing:
+    """The parking lot's host memory: one block of `capacity` bytes, pinned when the states live on a GPU, made
+    once (`reserve`: the engine does it while warming up). Snapshots take consecutive regions in the order they
+    are parked, wrapping around at the end, so the region a new snapshot needs holds the least recently parked ones,
+    which are evicted. Pinning costs milliseconds per megabyte: one allocation for good, instead of one per
+    snapshot, keeps that off every admission."""
 
-    def work() -> list[torch.Tensor]:
-        with torch.inference_mode():
-            for event in events:
-                event.synchronize()
-            streams = {d: torch.cuda.Stream(device=d) for d in devices}
-            out = []
-            for device, stream in streams.items():
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    members = [j for j, t in enumerate(staged) if t.device == device]
-                    out += list(zip(members, _to_host([staged[j] for j in members])))
-            for stream in streams.values():
-                stream.synchronize()
-            done = dict(out)
-            return [done[j] if j in done else t for j, t in enumerate(staged)]
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.block: torch.Tensor | None = None
+        self.head = 0
 
-    return _copier.submit(work)
+    def reserve(self, pinned: bool) -> None:
+        if self.block is None and self.capacity:
+            pinned = pinned and torch.cuda.is_available()
+            self.block = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pinned)
+
+    def place(self, size: int, avoid: tuple[int, int] | None = None) -> int | None:
+        """The offset of `size` bytes at the head (wrapping to 0 when they do not fit before the end), never over
+        the region `avoid`; None when no such place exists."""
+        for _ in range(3):
+            if self.head + size > self.capacity:
+                self.head = 0
+            start, end = self.head, self.head + size
+            if avoid is not None and start < avoid[0] + avoid[1] and avoid[0] < end:
+                self.head = avoid[0] + avoid[1]
+                continue
+            self.head = end
+            return start
+        return None
+
+    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        return self.block[offset : offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
 
 
 @dataclass
 class Snapshot:
-    """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it).
-    From a GPU the copy is made by a worker thread (`_copy_later`); `wait` (and `restore`) wait for it."""
+    """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it), in
+    its region of the lot's ring."""
 
     tokens: list[int]
     k: dict[int, torch.Tensor]  # [length, Hkv, D]
@@ -169,43 +151,49 @@ class Snapshot:
     conv: dict[int, torch.Tensor]  # [K-1, C]
     recurrent: dict[int, torch.Tensor]  # [Hv, Dk, Dv] float32
     nbytes: int
-    pending: Future | None = None  # the worker's host copies, in the order of `_parts`, until `wait` takes them
-    layers: list[list[int]] = field(default_factory=list, repr=False)  # the layer ids of k, v, conv, recurrent
+    region: tuple[int, int] = (0, 0)  # (offset, bytes) in the ring
+    copied: list = field(default_factory=list)  # CUDA events: the copies into host memory are done once they are
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
     @staticmethod
-    def _parts(state) -> list[tuple[dict, int | None]]:
-        return [(state.k, state.length), (state.v, state.length), (state.conv, None), (state.recurrent, None)]
+    def parts(state: SessionState) -> list[list[torch.Tensor]]:
+        """The tensors a snapshot of `state` keeps: K cells [0, length), V cells, conv and recurrent states."""
+        n = state.length
+        return [[t[:n] for t in state.k.values()], [t[:n] for t in state.v.values()], list(state.conv.values()),
+                list(state.recurrent.values())]
+
+    @staticmethod
+    def region_bytes(state: SessionState) -> int:
+        return sum(_aligned(t.numel() * t.element_size()) for part in Snapshot.parts(state) for t in part)
 
     @classmethod
     @torch.inference_mode()
-    def of(cls, state: SessionState) -> "Snapshot":
-        """Copy `state`'s committed prefix to host memory (in the background from a GPU)."""
-        parts = cls._parts(state)
-        tensors = [t[:n] if n is not None else t for layers, n in parts for t in layers.values()]
-        on_gpu = any(t.device.type == "cuda" for t in tensors)
-        snap = cls(list(state.tokens), {}, {}, {}, {}, snapshot_bytes(state))
-        snap.layers = [list(layers) for layers, _ in parts]
-        if on_gpu:
-            snap.pending = _copy_later(tensors)
-        else:
-            snap._fill(_to_host(tensors))
+    def of(cls, state: SessionState, ring: HostRing, offset: int) -> "Snapshot":
+        """Copy `state`'s committed prefix into the ring at `offset` (asynchronously from a GPU)."""
+        dicts, at = [], offset
+        for layers, part in zip((state.k, state.v, state.conv, state.recurrent), cls.parts(state)):
+            host = {}
+            for i, t in zip(layers, part):
+                host[i] = ring.view(at, t)
+                host[i].copy_(t, non_blocking=t.device.type == "cuda")
+                at += _aligned(t.numel() * t.element_size())
+            dicts.append(host)
+        snap = cls(list(state.tokens), *dicts, snapshot_bytes(state), (offset, at - offset))
+        devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            snap.copied.append(event)
         return snap
-
-    def _fill(self, flat: list[torch.Tensor]) -> None:
-        at = 0
-        for target, layers in zip((self.k, self.v, self.conv, self.recurrent), self.layers):
-            target.update(zip(layers, flat[at : at + len(layers)]))
-            at += len(layers)
 
     def wait(self) -> None:
         """Block until the copies into host memory are done (at once on the CPU)."""
-        if self.pending is not None:
-            self._fill(self.pending.result())
-            self.pending = None
+        for event in self.copied:
+            event.synchronize()
+        self.copied = []
 
     @torch.inference_mode()
     def restore(self, state: SessionState, length: int) -> None:
@@ -231,6 +219,7 @@ class ParkingLot:
         if budget < 0:
             raise StrataError(f"a parking budget of {budget} bytes: give 0 or more (0 turns parking off)")
         self.budget, self.truncatable = budget, truncatable
+        self.ring = HostRing(budget)
         self.nbytes = 0
         self.evictions = 0  # snapshots dropped to make room
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()  # least recently parked first
@@ -240,20 +229,26 @@ class ParkingLot:
     def conversations(self) -> int:
         return len(self._snapshots)
 
-    def park(self, state: SessionState) -> bool:
+    def park(self, state: SessionState, avoid: Snapshot | None = None) -> bool:
         """Keep a snapshot of what `state` holds; False when it holds nothing or does not fit in the budget at all
-        (with a budget of 0: always). Snapshots that this one serves at least as well are dropped."""
-        size = snapshot_bytes(state)
+        (with a budget of 0: always). Snapshots that this one serves at least as well are dropped, and those whose
+        ring region it takes are evicted (the least recently parked). `avoid`: a snapshot just taken whose region
+        must not be written yet (its restore reads it after this park)."""
+        size = Snapshot.region_bytes(state)
         if state.length == 0 or size > self.budget:
+            return False
+        self.ring.reserve(pinned=any(t.device.type == "cuda" for t in (*state.k.values(), *state.conv.values())))
+        offset = self.ring.place(size, avoid.region if avoid is not None else None)
+        if offset is None:
             return False
         for key, snap in list(self._snapshots.items()):
             if self._covers(state.tokens, snap.tokens):
                 self._drop(key)
-        while self.nbytes + size > self.budget:
-            self._drop(next(iter(self._snapshots)))
-            self.evictions += 1
-        self._snapshots[next(self._keys)] = Snapshot.of(state)
-        self.nbytes += size
+            elif offset < snap.region[0] + snap.region[1] and snap.region[0] < offset + size:
+                self._drop(key)
+                self.evictions += 1
+        self._snapshots[next(self._keys)] = Snapshot.of(state, self.ring, offset)
+        self.nbytes += self._snapshots[next(reversed(self._snapshots))].nbytes
         return True
 
     def best(self, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
@@ -300,7 +295,7 @@ def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[Sess
         count, source = parked, snap
         lot.take(snap)  # before parking `state`, so making room cannot evict it
     if source is not state or count < state.length:
-        lot.park(state)
+        lot.park(state, avoid=source if isinstance(source, Snapshot) else None)
     if source is state:
         state.truncate(count)
     elif isinstance(source, Snapshot):
