@@ -46,6 +46,22 @@ class APIError(Exception):
 RETRY_AFTER_S = 1  # what a 429 (a full waiting line) asks the client to wait
 
 
+class RequireKey:
+    """`/v1/` answers 401 without `Authorization: Bearer <key>`. A plain ASGI middleware: one built on
+    BaseHTTPMiddleware would hide a client's disconnect from the endpoint (`Request.is_disconnected`)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                response = APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                                    kind="authentication_error").response()
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def served_name(settings: ServeSettings, files: ModelFiles) -> str:
     if settings.served_model_name:
         return settings.served_model_name
@@ -73,13 +89,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def api_error(request: Request, e: APIError):
         return e.response()
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {settings.api_key}":
-                return APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
-                                kind="authentication_error").response()
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(RequireKey, key=settings.api_key)
 
     @app.get("/health")
     async def health():

@@ -303,3 +303,84 @@ def test_a_signal_to_the_process_group_stops_server_and_engine_without_a_restart
     while running(engine_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running(engine_pid), "the engine process outlived its server"
+
+
+def test_iteration_tokens_count_every_row_of_the_windows(server):
+    """vllm:iteration_tokens_total: a request alone on the server puts its unread prompt rows and one row per
+    generated token but the last into windows (the last token is sampled, never read back)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    before = scrape(server)
+    r = client.completions.create(model=MODEL, prompt="Seven quiet herons stood in the", max_tokens=12, temperature=0)
+    after = scrape(server)
+    delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    read = r.usage.prompt_tokens - delta("vllm:prefix_cache_hits_total{}")
+    assert delta("vllm:iteration_tokens_total_sum{}") == read + r.usage.completion_tokens - 1
+    assert delta("vllm:iteration_tokens_total_count{}") == r.usage.completion_tokens  # one window a token
+
+
+async def wait_until(http: httpx.AsyncClient, url: str, key: str, value: float, deadline_s: float = 30) -> None:
+    """Poll /metrics until the series `key` reads `value`."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        text = (await http.get(url + "/metrics", headers={"Accept": "text/plain"})).text
+        if key.split("{")[0] in text and _series(text).get(key) == value:
+            return
+        assert time.monotonic() < deadline, f"{key} did not reach {value}"
+        await asyncio.sleep(0.05)
+
+
+def _series(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                          if k not in ("model_name", "engine")) + "}"
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def test_the_waiting_line_is_bounded_and_clients_that_leave_free_their_place(solo_answers):
+    """One slot, a line of one: a third request gets 429 (OpenAI's error shape, Retry-After); a client that leaves
+    while waiting, and one that leaves while its prompt is read, free their places at once; the next requests
+    still get their solo answers."""
+    srv = Server("--batch", "1", "--max-waiting", "1", "--max-window-tokens", "8")
+    url = srv.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            facts = (await http.get(srv.url + "/metrics", headers={"Accept": "application/json"})).json()
+            assert facts["engine_facts"]["max_waiting"] == 1 and facts["engine_facts"]["max_window_tokens"] == 8
+            async with http.stream("POST", url, json={**body, "stream": True}) as first:
+                lines = first.aiter_lines()  # read by hand: leaving an `async for` would close the stream
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass  # it runs
+                leaver = httpx.AsyncClient(timeout=60)  # a client of its own: closing it closes its connection
+                waiting = asyncio.create_task(leaver.post(url, json={**body, "prompt": PROMPTS[1]}))
+                await wait_until(http, srv.url, "vllm:num_requests_waiting{}", 1)
+                full = await http.post(url, json=body)
+                assert full.status_code == 429 and full.headers["retry-after"] == "1"
+                error = full.json()["error"]
+                assert error["type"] == "rate_limit_exceeded" and "--max-waiting" in error["message"]
+                sdk = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+                with pytest.raises(openai.RateLimitError):
+                    await sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5)
+                waiting.cancel()  # the client leaves while waiting: its place is free at once
+                await leaver.aclose()
+                await wait_until(http, srv.url, "vllm:num_requests_waiting{}", 0)
+            await wait_until(http, srv.url, "vllm:num_requests_running{}", 0)
+            long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)  # ~400 tokens: 50 windows
+            leaver = httpx.AsyncClient(timeout=60)
+            reading = asyncio.create_task(leaver.post(url, json={**body, "prompt": long_prompt}))
+            await wait_until(http, srv.url, "vllm:num_requests_running{}", 1)
+            reading.cancel()  # the client leaves while its prompt is read
+            await leaver.aclose()
+            await wait_until(http, srv.url, "vllm:num_requests_running{}", 0, deadline_s=10)
+
+    try:
+        asyncio.run(scenario())
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert complete(client, PROMPTS[0]) == solo_answers[0]  # the slot runs the next request as alone
+        assert scrape(srv)["vllm:request_success_total{finished_reason=abort}"] == 3
+    finally:
+        srv.stop()
