@@ -109,3 +109,31 @@ def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypa
     solo = decode_logits(fast.init_slots(1), {0: ids}, 2)[0]
     batch = decode_logits(fast.init_slots(3), {0: prompt(0), 1: ids, 2: prompt(3)}, 2)
     assert torch.equal(batch[1], solo)
+
+
+def test_warm_up_runs_every_window_shape_and_leaves_the_engine_as_new(tmp_path):
+    """The warm-up before READY (decode windows of every row count, prompt chunks of every size, requests through
+    the slots) on the Triton path: it reports its progress to the end, leaves every slot empty and nothing parked,
+    and requests afterwards get the torch path's tokens."""
+    from strata.runtime.warmup import warm_up
+
+    build("llama-gqa-tied", tmp_path)
+    files = ModelFiles.open(tmp_path)
+    reference = Engine(files, max_cells=64, kernels="torch")
+    fast = Engine(files, max_cells=64, kernels="triton", max_window_tokens=6)
+    slots = fast.init_slots(2)
+    seen: list[tuple[int, str]] = []
+    assert warm_up(slots, progress=lambda done, what: seen.append((done, what))) > 0
+    assert [d for d, _ in seen] == list(range(1, len(seen) + 1))
+    kinds = {what.split(" ")[0] for _, what in seen}
+    assert {"decode", "prompt", "sampler", "2"} <= kinds  # decode windows, prompt chunks, sampler, request rounds
+    assert all(not s.active and s.state.length == 0 and s.state.tokens == [] for s in slots.slots)
+    assert fast.parking.conversations == 0 and not slots.in_flight
+    for i in (0, 1):
+        slots.admit(i, prompt(i + 2), NEW, stop_ids=frozenset())
+    got: dict[int, list[int]] = {}
+    while slots.active:
+        for e in slots.commit_slots(slots.run_slots()):
+            got.setdefault(e.slot, []).append(e.token)
+    for i in (0, 1):
+        assert got[i] == reference.generate(prompt(i + 2), NEW, stop_ids=frozenset()).ids
