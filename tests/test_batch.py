@@ -10,7 +10,7 @@ from strata.errors import StrataError
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams
-from strata.runtime.window import Window
+from tests.slot_helpers import decode_rows_alone_and_beside
 from tests.tiny_models import CASES, VOCAB, build
 
 NEW = 150
@@ -123,14 +123,7 @@ def test_decode_rows_are_bitwise_the_same_beside_prompt_rows(engine):
         slots.admit(i, prompt(i + 1), 20, stop_ids=NO_STOP)
     while any(s.reading for s in slots.slots):
         slots.commit_slots(slots.run_slots())
-    states = [s.state for s in slots.slots]
-    parts = [(states[i], [slots.slots[i].next_token], False) for i in (0, 1)]
-    gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them
-    saved = [t.clone() for t in gdn]
-    alone = engine.forward(Window.build(parts, engine.device))
-    for t, v in zip(gdn, saved):
-        t.copy_(v)
-    mixed = engine.forward(Window.build(parts + [(states[2], prompt(4)[:BUDGET - 2], False)], engine.device))
+    alone, mixed = decode_rows_alone_and_beside(engine, slots, [0, 1], 2, prompt(4)[: BUDGET - 2])
     assert mixed.shape[0] == 3
     assert torch.equal(mixed[:2], alone)
 

@@ -8,8 +8,7 @@ import torch
 
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
-from strata.runtime.window import Window
-from tests.slot_helpers import decode_logits
+from tests.slot_helpers import decode_logits, decode_rows_alone_and_beside
 from tests.tiny_models import VOCAB, build
 
 NEW = 6
@@ -61,14 +60,7 @@ def test_triton_decode_rows_are_bitwise_the_same_beside_prompt_rows(engines):
     slots = fast.init_slots(3)
     for i in (0, 1):
         slots.admit_now(i, prompt(i + 1), 4)
-    states = [s.state for s in slots.slots]
-    parts = [(states[i], [slots.slots[i].next_token], False) for i in (0, 1)]
-    gdn = [t for st in states for t in (*st.conv.values(), *st.recurrent.values())]  # a window advances them
-    saved = [t.clone() for t in gdn]
-    alone = fast.forward(Window.build(parts, fast.device))
-    for t, v in zip(gdn, saved):
-        t.copy_(v)
-    mixed = fast.forward(Window.build(parts + [(states[2], prompt(3), False)], fast.device))
+    alone, mixed = decode_rows_alone_and_beside(fast, slots, [0, 1], 2, prompt(3))
     assert mixed.shape[0] == 3 and torch.equal(mixed[:2], alone)
     chunked = Engine(reference.files, max_cells=128, kernels="triton", max_window_tokens=6)
     slots = chunked.init_slots(2)
