@@ -171,9 +171,14 @@ def create_app(settings: ServeSettings) -> FastAPI:
         """Send the request to the engine and wait for it to be taken (it then waits for a slot or runs)."""
         request = engine_request(body, ids)
         record = RequestRecord(f"{uuid.uuid4().hex[:16]}", len(ids), request.max_new, time.monotonic())
+        job = None
         try:
             job = client.submit(request, record)
             await client.accept(job)
+        except asyncio.CancelledError:  # the client left before the engine took the request
+            if job is not None:
+                client.abandon(job)
+            raise
         except EngineDied as e:
             raise APIError(503, str(e), kind="service_unavailable") from None
         except EngineFull as e:
