@@ -1,6 +1,6 @@
-"""Total decode tokens/s with 1, 2, 4, 8 ... conversations in batch slots, against the solo path.
+"""Total decode tokens/s with 1, 2, 4, 8 ... conversations in batch slots, against one conversation at a time.
 
-Anchor, in the same run: the solo path (one conversation at a time, the same prompts). A batch window reads
+Anchor, in the same run: one conversation at a time (decode windows of one row, the same prompts). A batch window reads
 the weights once for all its rows, so total tokens/s should grow with the number of conversations. The run
 also checks that every batched conversation produced exactly its solo tokens.
 
@@ -77,7 +77,7 @@ def main() -> None:
         solo_time += time.perf_counter() - t
         solo_ids.append(out)
     solo_rate = len(solo_ids) * (args.tokens - 1) / solo_time
-    print(f"solo path: {solo_rate:.1f} tok/s (one conversation at a time)")
+    print(f"one at a time: {solo_rate:.1f} tok/s")
     print(f"{'conversations':>13} {'total tok/s':>12} {'per conv':>9} {'vs solo':>8}  identical to solo")
     for n in counts:
         slots = engine.init_slots(n)

@@ -288,7 +288,7 @@ def test_api_key_prompt_on_401(fake_server, page):
 
 
 def test_page_on_a_real_server_shows_its_requests(page):
-    """The page served by a real `strata serve` (no --batch: requests queue FIFO for the solo path)."""
+    """The page served by a real `strata serve` (no --batch: one slot, requests wait in the engine's line)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import openai

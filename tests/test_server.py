@@ -175,7 +175,7 @@ def test_with_lookahead_answers_match_and_a_disconnect_mid_stream_is_clean(solo_
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert any(next(lines).startswith("data: {") for _ in range(6))
-            # alone, it runs in a slot (its windows one ahead), not on the solo path
+            # alone, it runs in a slot (its windows one ahead)
             facts = httpx.get(srv.url + "/metrics", headers={"Accept": "application/json"}).json()
             assert facts["slots_in_use"] == 1 and facts["requests_running"] == 1
         assert asyncio.run(_concurrently(srv, PROMPTS[:3] + PROMPTS[:1])) == solo_answers[:3] + solo_answers[:1]
