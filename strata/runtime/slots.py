@@ -92,7 +92,6 @@ class SlotWindow:
     sampled: torch.Tensor | None = None  # [N] int64 on the last stage's device: each sampler's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
-    read: bool = False  # its events were taken (`_read`)
 
     @property
     def num_rows(self) -> int:
@@ -121,7 +120,6 @@ class Slots:
             raise StrataError(f"--max-window-tokens {self.budget} is below the {largest} slots of a group (--batch "
                               f"{num_slots}, --batch-groups {num_groups}): every decoding slot needs its row in each "
                               "window; raise --max-window-tokens or lower --batch")
-        self.reused = 0  # prompt tokens the last admission took from a prefix instead of reading them
         if lookahead is None:
             lookahead = engine.lookahead
         if lookahead not in (0, 1):
@@ -179,10 +177,10 @@ class Slots:
             slot.seen_prompt[torch.tensor(prompt_ids, device=device)] = True
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
         others = [s.state for s in self.slots if not s.active] + list(idle)
-        self.reused = slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
-        slot.unread = list(prompt_ids[self.reused :])
+        slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
+        slot.unread = list(prompt_ids[slot.num_reused :])
         slot.active, slot.admitted = True, next(_order)
-        return self.reused
+        return slot.num_reused
 
     def admit_now(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
                   stop_ids: frozenset[int] | None = None) -> Event:
@@ -341,7 +339,6 @@ class Slots:
             sw.copied.synchronize()
         for i in sw.decoding:
             self.slots[i].state.tokens.append(self.slots[i].next_token)
-        sw.read = True
         self._read_log.append((len(sw.decoding), sw.prompt_rows))
         lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
         return self._record(sw.samplers, sw.host.tolist() if sw.samplers else [], lengths)
