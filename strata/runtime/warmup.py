@@ -117,13 +117,13 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
                seen, counts_)
         done += 1
         show(done, f"sampler over {r} row(s)")
-    for k, requests in enumerate(rounds):  # requests through the slots: mixed windows, lookahead, many logit rows
+    for requests in rounds:  # requests through the slots: mixed windows, lookahead, many logit rows
+        for state in states:  # empty slots: an admission has nothing to park
+            state.reset()
         for i, prompt in enumerate(requests):
             slots.admit(i, prompt, 3, SamplingParams(), frozenset())
         while slots.active or slots.in_flight:
             slots.step()
-        for state in states:
-            state.reset()
         done += 1
         show(done, f"{len(requests)} requests through the slots")
     for state in states:
