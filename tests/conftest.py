@@ -8,10 +8,39 @@ import os
 # anything imports triton (the kernel modules do at import time).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from strata.model.loader import default_model_path  # noqa: E402
+
+
+def _row_stable_interpreter_dot():
+    """The interpreter's `tl.dot` as a GPU computes it: each output row's bits from that row's inputs alone.
+
+    The interpreter runs `tl.dot` as `np.matmul`, and for float32 numpy calls OpenBLAS, whose sgemm kernels on
+    some CPUs (AMD Zen here) sum a row differently by its position inside their register tile: the same row at
+    tile row 0 and at tile row 5 comes out a few bits apart. A GPU's matrix instructions sum every row the same
+    way, which is what the kernels' row-independence tests assert. `np.einsum` (no BLAS) sums each element in
+    one fixed order, so the interpreter keeps the property the hardware has."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_dot"):
+        return
+    blas_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32 or a.data.ndim != 2:
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("mk,kn->mn", a.data, b.data, dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_stable_interpreter_dot()
 
 
 @pytest.fixture(scope="session")
