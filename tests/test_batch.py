@@ -179,26 +179,36 @@ def test_stop_tokens_and_length_end_a_slot(engine, lookahead):
 
 def test_lookahead_batches_equal_solo_with_staggered_admissions(engine):
     """Windows launched ahead of the host (decoding rows' tokens fed on the device, prompt rows from the host):
-    an admission needs the windows in flight read first, and a conversation continues exactly as alone."""
+    a request is admitted while the other slots' windows stay in flight, its prompt joins the next window, and
+    every conversation continues exactly as alone. A slot with a row still in flight is not given out."""
     slots = engine.init_slots(4, lookahead=1)
     got: dict[int, list[int]] = {}
     slots.admit(0, prompt(0), 50, stop_ids=NO_STOP)
     slots.admit(1, prompt(1), 50, stop_ids=NO_STOP)
     for step in range(30):
         if step == 7:
-            assert slots.in_flight
+            assert slots.in_flight and slots.busy == {0, 1}
+            assert slots.free == [2, 3]
+            slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)  # 50 tokens: read over several windows
+            assert slots.in_flight  # nothing was read to make room for it
+        if step == 12:
+            slots.stop(1)  # its rows in flight are committed when read, and give no event
+            assert 1 in slots.busy and 1 not in slots.free
             with pytest.raises(StrataError, match="in flight"):
-                slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)
-            for e in slots.flush():
-                got.setdefault(e.slot, []).append(e.token)
-            assert not slots.in_flight
-            slots.admit(2, prompt(5), 50, stop_ids=NO_STOP)
+                slots.admit(1, prompt(3), 50, stop_ids=NO_STOP)
+        if step == 14:
+            assert 1 not in slots.busy
+            slots.admit(1, prompt(3), 50, stop_ids=NO_STOP)
         for e in slots.step():
             got.setdefault(e.slot, []).append(e.token)
+        if step == 11:
+            stopped = list(got[1])  # what slot 1's first conversation had when it was stopped
     drain(slots, sync=False, out=got)
     assert got[0] == engine.generate(prompt(0), 50, stop_ids=NO_STOP).ids
-    assert got[1] == engine.generate(prompt(1), 50, stop_ids=NO_STOP).ids
     assert got[2] == engine.generate(prompt(5), 50, stop_ids=NO_STOP).ids
+    first = engine.generate(prompt(1), 50, stop_ids=NO_STOP).ids
+    assert got[1][: len(stopped)] == first[: len(stopped)]
+    assert got[1][len(stopped):] == engine.generate(prompt(3), 50, stop_ids=NO_STOP).ids
 
 
 def test_admission_errors(engine):

@@ -95,7 +95,11 @@ def test_a_request_streams_tokens_then_ends(engine, reference):
     assert engine.close() == 0
 
 
-def test_requests_added_at_staggered_times_equal_their_solo_runs(engine, reference):
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_requests_added_at_staggered_times_equal_their_solo_runs(model, reference, lookahead):
+    """With lookahead 1 (the GPU's default) the second request is admitted while the first one's windows stay in
+    flight; either way both answers are their solo runs."""
+    engine = start(model, "--batch", "4", "--max-window-tokens", "16", "--lookahead", str(lookahead))
     long = [(3 + 5 * j) % VOCAB for j in range(70)]  # read over several 16-row windows beside the decoding rows
     engine.send("ADD first 40 ignore_eos=1 5 6 7")
     lines = engine.read_until(lambda line: line.startswith("TOK"))
@@ -108,6 +112,7 @@ def test_requests_added_at_staggered_times_equal_their_solo_runs(engine, referen
     wins = [list(map(int, line.split()[1:])) for line in lines if line.startswith("WIN ")]
     assert all(d + p <= 16 for d, p in wins)
     assert sum(p for _, p in wins) == 73 and sum(1 for d, p in wins if d and p) >= 4  # read beside the decoding row
+    assert engine.close() == 0
 
 
 def test_abort_a_running_request_then_another_runs_clean(engine, reference):

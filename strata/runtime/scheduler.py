@@ -3,8 +3,9 @@
 It runs in-process (tests drive `handle` and `step` directly) and inside the `strata engine` process
 (`strata.runtime.pipe` only moves lines between the pipes and this object). Requests arrive by id (`ADD`) and
 wait in arrival order, at most `max_waiting` of them (beyond: `ERR <id> full`). Before each window every waiting
-request that a free slot can take is given one (the windows in flight are read first, so a slot never changes
-hands under a row of its previous owner); its prompt is then read inside the windows, beside the decoding rows
+request that a free slot can take is given one (free: idle, and no row of it in a window in flight, so a slot
+never changes hands under a row of its previous owner; the windows in flight stay in flight, so an arrival does
+not stop the running streams' pipeline); its prompt is then read inside the windows, beside the decoding rows
 (`strata.runtime.slots`). One `step` launches what may run and reads one window.
 """
 
@@ -124,7 +125,6 @@ class Scheduler:
         its prompt, else the one idle longest (what recently ended stays for its follow-up)."""
         if not self.waiting or all(s.active for s in self.slots.slots):
             return
-        self._emit_events(self.slots.flush())  # a slot changes hands only with no window in flight
         truncatable = self.engine.parking.truncatable
         while self.waiting:
             free = self.slots.free

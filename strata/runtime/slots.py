@@ -21,7 +21,9 @@ window's sampled tokens, still on the device, so the host builds, launches and r
 and the device never waits for the host. A conversation that ends on a stop token has had one more row launched
 behind it: that row is computed and committed (the state then holds the stop token too, as the tokens it has
 read say) and gives no event. Rows that certainly end (max_new, max_cells) are not launched. A slot changes hands
-only when no window is in flight (`flush`), so an admission never races a row of the slot's previous owner.
+only when none of the windows in flight holds a row of it (`free`), so an admission never races a row of the
+slot's previous owner; the other slots' windows stay in flight meanwhile, and the admitted prompt joins the next
+window built.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class SlotWindow:
     window: Window
     decoding: list[int]  # the slots with a decode row, the window's first rows, in order
     samplers: list[int]  # the slots that sample a token from this window (logit-row order)
+    members: frozenset[int] = frozenset()  # every slot with a row in this window
     prompt_rows: int = 0  # rows of prompt chunks
     logits: torch.Tensor | None = None
     future: Future | None = None  # the pipeline's (pipelined groups): done once every stage has queued its share
@@ -136,9 +139,15 @@ class Slots:
         return [i for i, s in enumerate(self.slots) if s.active]
 
     @property
+    def busy(self) -> frozenset[int]:
+        """The slots with a row in a window in flight (an idle one among them: the row launched behind its end)."""
+        return frozenset().union(*(sw.members for sw in self._flight))
+
+    @property
     def free(self) -> list[int]:
-        """The slots a request may be given now (idle, no window in flight)."""
-        return [] if self._flight else [i for i, s in enumerate(self.slots) if not s.active]
+        """The slots a request may be given now: idle, and no row of theirs in flight."""
+        busy = self.busy
+        return [i for i, s in enumerate(self.slots) if not s.active and i not in busy]
 
     def check_slot(self, index: int) -> Slot:
         if not 0 <= index < len(self.slots):
@@ -163,8 +172,10 @@ class Slots:
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it and wait for its end first")
-        if self._flight:
-            raise StrataError("windows are in flight: read them (flush) before admitting a conversation")
+        busy = self.busy
+        if index in busy:
+            raise StrataError(f"slot {index} still has a row in a window in flight: read it (step, flush) before "
+                              "admitting a conversation there")
         self.check_request(prompt_ids, max_new, params)
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
@@ -174,9 +185,9 @@ class Slots:
         if params.has_penalties:
             vocab, device = self.engine.spec.vocab_size, self.engine.stages[-1].device
             slot.seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            slot.seen_prompt[torch.tensor(prompt_ids, device=device)] = True
+            slot.seen_prompt[row_tensor(prompt_ids, torch.int64, device)] = True  # no wait for windows in flight
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-        others = [s.state for s in self.slots if not s.active] + list(idle)
+        others = [s.state for j, s in enumerate(self.slots) if not s.active and j not in busy] + list(idle)
         slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
         slot.unread = list(prompt_ids[slot.num_reused :])
         slot.active, slot.admitted = True, next(_order)
@@ -283,7 +294,8 @@ class Slots:
         parts += [(self.slots[i].state, ids, False if i not in unread_left else None) for i, ids in chunks]
         window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
         samplers = decoding + [i for i, _ in chunks if i not in unread_left]
-        sw = SlotWindow(window, decoding, samplers, sum(len(ids) for _, ids in chunks), group=group)
+        members = frozenset(decoding).union(i for i, _ in chunks)
+        sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group)
         for i in decoding:  # the row's position is the state's now; its token joins `state.tokens` when read
             self.slots[i].state.length += 1
         for i, ids in chunks:
