@@ -7,8 +7,10 @@ One run, one set of weights. It starts `strata serve` as a subprocess and measur
   prefix is reused; the same prompt again is shown too, with its prefix reused);
 - waves of N simultaneous streaming clients (`--concurrency`, capped by `--batch`): each sends its own
   128-token prompt of token ids to /v1/completions (greedy, `ignore_eos`, `--tokens` tokens, `stream: true`)
-  over its own connection. Per wave: total tokens/s (every generated token over the time from the first send
-  to the last token), median and p99 TTFT, median and p99 gap between the text chunks of a stream;
+  over its own connection; the clients are spread over `--client-procs` processes, so parsing the streams is
+  not what limits a wave. Per wave: total tokens/s (every generated token over the time from the first send
+  to the last token), median and p99 TTFT, median and p99 gap between the text chunks of a stream, and the
+  CPU time the server process (not its engine) spent per token;
 - the stall case: up to 8 streams run (one slot is left free), then one `--long-prompt`-token prompt arrives
   (max_tokens 1): the streams' worst gap while it is read and overall, and its TTFT against its TTFT on the
   idle server.
@@ -33,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -229,20 +233,20 @@ class ServerProcess:
         self.log = os.fdopen(fd, "w")
         argv = [sys.executable, "-m", "strata.cli", "serve", "--model", model, "--host", "127.0.0.1",
                 "--port", str(self.port), *engine_flags(args)]
-        self.started = time.perf_counter()
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.engine_pid: int | None = None
 
     def wait_healthy(self) -> float:
         """Poll /health until it answers 200; the seconds since the process started."""
         deadline = self.started + STARTUP_DEADLINE_S
-        while time.perf_counter() < deadline:
+        while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"strata serve exited with code {self.proc.returncode}; see {self.log_path}:\n"
                                  + self.log_tail())
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    took = time.perf_counter() - self.started
+                    took = time.monotonic() - self.started
                     self.engine_pid = self.facts().get("engine_facts", {}).get("pid")
                     return took
             except httpx.HTTPError:
@@ -298,7 +302,7 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
 
 @dataclass
 class Stream:
-    """One streaming request as its client saw it (perf_counter seconds)."""
+    """One streaming request as its client saw it (time.monotonic seconds: one clock for every process)."""
 
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)  # arrival of each SSE chunk that carried text
@@ -325,7 +329,7 @@ def completion_body(ids: list[int], max_tokens: int) -> dict:
 
 async def run_stream(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int, s: Stream) -> Stream:
     """Send one streaming completion and record when its chunks arrive into `s`."""
-    s.sent = time.perf_counter()
+    s.sent = time.monotonic()
     try:
         async with client.stream("POST", url + "/v1/completions", json=completion_body(ids, max_tokens)) as reply:
             if reply.status_code != 200:
@@ -334,7 +338,7 @@ async def run_stream(client: httpx.AsyncClient, url: str, ids: list[int], max_to
             async for line in reply.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                now, chunk = time.perf_counter(), json.loads(line[6:])
+                now, chunk = time.monotonic(), json.loads(line[6:])
                 if "error" in chunk:
                     s.error = chunk["error"].get("message", "error")
                 for choice in chunk.get("choices", []):
@@ -357,14 +361,56 @@ async def one_request(url: str, ids: list[int], max_tokens: int) -> Stream:
         return await run_stream(client, url, ids, max_tokens, Stream())
 
 
-async def wave(url: str, wave_prompts: list[list[int]], max_tokens: int) -> list[Stream]:
-    """All prompts sent at once, each by its own client over its own connection."""
+async def wave(url: str, wave_prompts: list[list[int]], max_tokens: int, start_at: float | None = None) -> list[Stream]:
+    """All prompts sent at once (at `start_at`, a time.monotonic time, when given), each by its own client over its
+    own connection."""
     clients = [httpx.AsyncClient(timeout=HTTP_TIMEOUT) for _ in wave_prompts]
     try:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         return list(await asyncio.gather(*(run_stream(c, url, ids, max_tokens, Stream())
                                            for c, ids in zip(clients, wave_prompts))))
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
+
+
+def wave_share(url: str, share: list[list[int]], max_tokens: int, start_at: float) -> list[dict]:
+    """A client process's share of a wave (`ClientProcesses`): its streams as plain fields."""
+    streams = asyncio.run(wave(url, share, max_tokens, start_at))
+    return [{"sent": s.sent, "chunks": s.chunks, "end": s.end, "tokens": s.tokens, "error": s.error} for s in streams]
+
+
+class ClientProcesses:
+    """Worker processes that run a wave's clients together, each its share (one process's event loop parsing 64
+    streams' chunks would be measured instead of the server). A wave starts in every process at one agreed
+    time.monotonic time (one clock for every process on the machine)."""
+
+    START_DELAY_S = 0.5
+
+    def __init__(self, count: int):
+        self.count = count
+        self.pool = (concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+                     if count > 1 else None)
+
+    async def wave(self, url: str, wave_prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+        if self.pool is None or len(wave_prompts) < 2:
+            return await wave(url, wave_prompts, max_tokens)
+        shares = [wave_prompts[k :: self.count] for k in range(self.count)]
+        start_at = time.monotonic() + self.START_DELAY_S
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(self.pool, wave_share, url, share, max_tokens, start_at)
+                                      for share in shares if share))
+        return [Stream(**fields) for share in done for fields in share]
+
+    def warm(self, url: str) -> None:
+        """Start every worker (imports included) before a wave is timed."""
+        if self.pool is not None:
+            list(self.pool.map(wave_share, [url] * self.count, [[]] * self.count, [1] * self.count,
+                               [0.0] * self.count))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -406,13 +452,31 @@ async def first_requests(server: ServerProcess, vocab: int, max_tokens: int) -> 
             "same_prompt_ttft_s": again.ttft}
 
 
-async def waves(server: ServerProcess, wave_prompts: dict[int, list[list[int]]], max_tokens: int) -> dict[int, dict]:
-    """(a) A wave of N simultaneous streams for each N."""
+def cpu_seconds(pid: int | None) -> float:
+    """The user + system CPU seconds a process has used so far (0 when it is not known)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+async def waves(server: ServerProcess, wave_prompts: dict[int, list[list[int]]], max_tokens: int,
+                clients: ClientProcesses) -> dict[int, dict]:
+    """(a) A wave of N simultaneous streams for each N, and the CPU the server and its engine spent on it."""
     out = {}
+    clients.warm(server.url)
     for n, batch in wave_prompts.items():
         server.wait_idle()
-        out[n] = wave_figures(await wave(server.url, batch, max_tokens))
-        print(f"  wave of {n}: {out[n]['tok_s']:.1f} tok/s", flush=True)
+        cpu = (cpu_seconds(server.proc.pid), cpu_seconds(server.engine_pid))
+        figures = out[n] = wave_figures(await clients.wave(server.url, batch, max_tokens))
+        spent = (cpu_seconds(server.proc.pid) - cpu[0], cpu_seconds(server.engine_pid) - cpu[1])
+        tokens = max(figures["tokens"], 1)
+        figures.update(server_cpu_s=spent[0], engine_cpu_s=spent[1], server_cpu_per_token_s=spent[0] / tokens)
+        print(f"  wave of {n}: {figures['tok_s']:.1f} tok/s; the server's CPU {spent[0] / figures['wall_s']:.0%} of a "
+              f"core ({spent[0] / tokens * 1e6:.0f} us a token), the engine's {spent[1] / figures['wall_s']:.0%}",
+              flush=True)
     return out
 
 
@@ -451,7 +515,11 @@ async def stall_case(server: ServerProcess, args, vocab: int, num_streams: int, 
 async def measure_server(server: ServerProcess, args, vocab: int, wave_prompts: dict[int, list[list[int]]]) -> dict:
     out = {"first_request": await first_requests(server, vocab, min(args.tokens, 16))}
     print("  first request done", flush=True)
-    out["waves"] = await waves(server, wave_prompts, args.tokens)
+    clients = ClientProcesses(args.client_procs)
+    try:
+        out["waves"] = await waves(server, wave_prompts, args.tokens, clients)
+    finally:
+        clients.close()
     num_streams = min(STALL_STREAMS, args.batch - 1)  # one slot stays free for the long prompt
     stream_tokens = min(STALL_STREAM_TOKENS, args.max_cells - PROMPT_LEN - 1)
     if num_streams < 1:
@@ -490,7 +558,7 @@ class InProcess:
 
     def _event(self, line: str) -> None:
         words = line.split()
-        now = time.perf_counter()
+        now = time.monotonic()
         if words[0] == "TOK":
             for k in range(1, len(words) - 1, 2):
                 self.stamps.setdefault(words[k], []).append(now)
@@ -502,7 +570,7 @@ class InProcess:
     def add(self, ids: list[int], max_tokens: int) -> str:
         self.count += 1
         rid = f"b{self.count}"
-        self.added[rid] = time.perf_counter()
+        self.added[rid] = time.monotonic()
         self.scheduler.handle(f"ADD {rid} {max_tokens} ignore_eos=1 " + " ".join(map(str, ids)))
         return rid
 
@@ -521,11 +589,11 @@ class InProcess:
     def wave(self, batch: list[list[int]], max_tokens: int) -> dict:
         """Every prompt added at once, stepped until all are done."""
         sync(self.device)
-        start = time.perf_counter()
+        start = time.monotonic()
         rids = [self.add(ids, max_tokens) for ids in batch]
         self.step_until(lambda: all(r in self.ended for r in rids))
         sync(self.device)
-        wall = time.perf_counter() - start
+        wall = time.monotonic() - start
         tokens = sum(len(self.stamps.get(r, [])) for r in rids)
         ttfts = [self.ttft(r) for r in rids]
         gaps = [g for r in rids for g in self.gaps(r)]
@@ -560,11 +628,11 @@ def timed(obj, name: str) -> list[float]:
     inner = getattr(obj, name)
 
     def wrapper(*a, **kw):
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             return inner(*a, **kw)
         finally:
-            spent[0] += time.perf_counter() - start
+            spent[0] += time.monotonic() - start
 
     setattr(obj, name, wrapper)
     return spent
@@ -624,14 +692,15 @@ def print_report(r: dict) -> None:
           f"{ms(f['same_prompt_ttft_s'])}")
     print()
     head = (f"{'clients':>7} {'HTTP tok/s':>11} {'engine tok/s':>13} {'HTTP/engine':>12} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} {'errors':>6} {'engine TTFT p50':>16} {'gap p50':>8} "
-            f"{'gap p99':>8}")
+            f"{'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} {'errors':>6} {'server us/tok':>13} "
+            f"{'engine TTFT p50':>16} {'gap p50':>8} {'gap p99':>8}")
     print(head)
     for n, w in r["server"]["waves"].items():
         e = r["engine"]["waves"][n]
         print(f"{n:>7} {w['tok_s']:>11.1f} {e['tok_s']:>13.1f} {w['tok_s'] / e['tok_s']:>11.2f}x "
               f"{ms(w['ttft_p50_s']):>9} {ms(w['ttft_p99_s']):>9} {ms(w['gap_p50_s']):>8} {ms(w['gap_p99_s']):>8} "
-              f"{w['errors']:>6} {ms(e['ttft_p50_s']):>16} {ms(e['gap_p50_s']):>8} {ms(e['gap_p99_s']):>8}")
+              f"{w['errors']:>6} {w['server_cpu_per_token_s'] * 1e6:>13.0f} {ms(e['ttft_p50_s']):>16} "
+              f"{ms(e['gap_p50_s']):>8} {ms(e['gap_p99_s']):>8}")
     for n, w in r["server"]["waves"].items():
         if w["first_error"]:
             print(f"  wave of {n}: {w['errors']} failed, e.g. {w['first_error']}")
@@ -679,6 +748,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=256, help="max_tokens of each wave request")
     p.add_argument("--long-prompt", type=int, default=6000,
                    help="tokens of the stall case's prompt (max_cells - 2 at most)")
+    p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                   help="processes the wave clients are spread over (default: a quarter of the CPUs, 1 to 8)")
     p.add_argument("--json", help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.shape:
@@ -718,6 +789,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         startup = server.wait_healthy()
         print(f"  healthy after {startup:.1f} s (log: {server.log_path})", flush=True)
+        for line in server.log_tail(400).splitlines():
+            if "model loaded in" in line or "warm-up:" in line and "decode graphs" in line:
+                print("  server log:", line.strip()[-300:], flush=True)
         served = asyncio.run(measure_server(server, args, vocab, wave_prompts))
     finally:
         server.stop()

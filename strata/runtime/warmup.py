@@ -92,10 +92,23 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
     show = progress or progress_printer(total)
     done = 0
     states = [s.state for s in slots.slots]
+    phases = {}  # seconds per phase, for the log line
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        phases[name] = now - mark
+        mark = now
+
+    vocab, device = engine.spec.vocab_size, engine.stages[-1].device
     for r in rows:  # decode windows: one graph per row count
         engine.forward(Window.build([(states[i], [0], False) for i in range(r)], engine.device))
         done += 1
         show(done, f"decode window of {r} row(s)")
+    phase("decode graphs")
     reader = states[0]
     for n in sizes:  # prompt windows, later chunks past position 0
         if reader.length + n >= reader.max_cells:
@@ -105,7 +118,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
         window.commit()
         done += 1
         show(done, f"prompt chunk of {n} rows")
-    vocab, device = engine.spec.vocab_size, engine.stages[-1].device
+    phase("prompt chunks")
     for r in counts:  # the sampler: greedy rows, sampled rows, penalised rows
         logits = torch.zeros(r, vocab, device=device)
         positions = list(range(r))
@@ -117,6 +130,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
                seen, counts_)
         done += 1
         show(done, f"sampler over {r} row(s)")
+    phase("sampler")
     for requests in rounds:  # requests through the slots: mixed windows, lookahead, many logit rows
         for state in states:  # empty slots: an admission has nothing to park
             state.reset()
@@ -126,13 +140,13 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
             slots.step()
         done += 1
         show(done, f"{len(requests)} requests through the slots")
+    phase("request rounds")
     for state in states:
         state.reset()
     engine.parking.clear()
     engine.parking.ring.reserve(pinned=device.type == "cuda")  # parking's host memory, pinned once, here
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    phase("parking memory")
     took = time.perf_counter() - start
-    log.info("warm-up: %d decode graphs, %d prompt chunk sizes, the sampler and %d request rounds in %.1f s",
-             len(rows), len(sizes), len(rounds), took)
+    log.info("warm-up: %d decode graphs, %d prompt chunk sizes, the sampler and %d request rounds in %.1f s (%s)",
+             len(rows), len(sizes), len(rounds), took, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     return took
