@@ -19,6 +19,11 @@ Then it stops the server (freeing the device) and runs the in-process anchor on 
 `Engine` + `warm_up` + batch slots stepped as the engine process steps them, the same prompts admitted
 together, tokens/s over the same span (prompt reading included). Each HTTP wave prints its ratio to it.
 
+With `--paced-engine MS` the server runs in front of a stand-in engine (bench/paced_engine.py) that computes
+nothing and gives every running request a token each MS milliseconds: only the waves run, against that pace as
+the anchor, so what is measured is the HTTP server, the pipes and the clients at a GPU's token rate (8 ms: the
+H200's 64-row windows of the Qwen3-30B-A3B shape) on any machine.
+
 The model is `--model` (a Hugging Face folder, a .gguf file, or `default`: the embedded SmolLM2-135M), or
 `--shape NAME --layers N`: a random-weight safetensors folder at a real shape (bench/shapes.py), written once
 with SmolLM2's tokenizer (hence `--vocab 49152`: every generated id decodes to text) and reused from
@@ -26,6 +31,8 @@ with SmolLM2's tokenizer (hence `--vocab 49152`: every generated id decodes to t
 
     # the CPU (a few minutes on two cores)
     python bench/serve.py --model default --batch 8 --concurrency 1,4,8 --tokens 32 --long-prompt 1000 --max-cells 2048
+    # the server alone, at a GPU's pace (any machine)
+    python bench/serve.py --paced-engine 8 --batch 64 --concurrency 1,8,16,32,64 --tokens 256 --max-cells 8192
     # a GPU
     python bench/serve.py --shape qwen3-30b-a3b --layers 24 --device cuda --batch 64 --concurrency 1,8,16,32,64 \\
         --max-cells 8192 --json serve.json
@@ -233,6 +240,10 @@ class ServerProcess:
         self.log = os.fdopen(fd, "w")
         argv = [sys.executable, "-m", "strata.cli", "serve", "--model", model, "--host", "127.0.0.1",
                 "--port", str(self.port), *engine_flags(args)]
+        if args.paced_engine is not None:
+            argv = [sys.executable, str(Path(__file__).resolve().parent / "paced_engine.py"), "serve", "--model", model,
+                    "--port", str(self.port), "--batch", str(args.batch), "--max-cells", str(args.max_cells),
+                    "--interval-ms", str(args.paced_engine)]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.engine_pid: int | None = None
@@ -750,6 +761,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens of the stall case's prompt (max_cells - 2 at most)")
     p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
                    help="processes the wave clients are spread over (default: a quarter of the CPUs, 1 to 8)")
+    p.add_argument("--paced-engine", type=float, metavar="MS",
+                   help="measure the server alone, in front of a stand-in engine giving each running request a token "
+                   "every MS milliseconds (bench/paced_engine.py)")
     p.add_argument("--json", help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.shape:
@@ -762,6 +776,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tokens {args.tokens}: a {PROMPT_LEN}-token prompt and its answer must fit "
                 f"--max-cells {args.max_cells}")
     return args
+
+
+def paced(model: str, args, wave_prompts: dict[int, list[list[int]]]) -> None:
+    """The waves through `strata serve` in front of the paced stand-in engine, against the pace itself."""
+    print(f"strata serve in front of a stand-in engine: a token for every running request each {args.paced_engine:g} ms "
+          f"({os.cpu_count()} CPUs, {args.client_procs} client process(es))", flush=True)
+    server = ServerProcess(model, args)
+    try:
+        server.wait_healthy()
+        clients = ClientProcesses(args.client_procs)
+        try:
+            figures = asyncio.run(waves(server, wave_prompts, args.tokens, clients))
+        finally:
+            clients.close()
+    finally:
+        server.stop()
+    print()
+    print(f"{'clients':>7} {'HTTP tok/s':>11} {'pace tok/s':>11} {'HTTP/pace':>10} {'TTFT p50':>9} {'gap p50':>8} "
+          f"{'gap p99':>8} {'errors':>6} {'server CPU':>11} {'server us/tok':>13}")
+    for n, w in figures.items():
+        pace = n * 1e3 / args.paced_engine
+        print(f"{n:>7} {w['tok_s']:>11.1f} {pace:>11.1f} {w['tok_s'] / pace:>9.2f}x {ms(w['ttft_p50_s']):>9} "
+              f"{ms(w['gap_p50_s']):>8} {ms(w['gap_p99_s']):>8} {w['errors']:>6} "
+              f"{w['server_cpu_s'] / w['wall_s']:>10.0%} {w['server_cpu_per_token_s'] * 1e6:>13.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "waves": figures}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -784,6 +824,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.shape or args.model} on {args.device} ({where}, {os.cpu_count()} CPUs), {dtype}, "
           f"torch {torch.__version__}; load average {start_load:.2f}")
 
+    if args.paced_engine is not None:
+        return paced(model, args, wave_prompts)
     print("strata serve:", flush=True)
     server = ServerProcess(model, args)
     try:
