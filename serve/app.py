@@ -145,6 +145,9 @@ def create_app(settings: ServeSettings) -> FastAPI:
         if len(ids) >= max_cells:
             raise APIError(413, f"the prompt has {len(ids)} tokens; this model's context is {max_cells} tokens "
                                 "and the answer needs at least one more", param="messages")
+        if any(not 0 <= i < files.spec.vocab_size for i in body.stop_token_ids or []):
+            raise APIError(400, "stop_token_ids: a token id is outside the vocabulary "
+                                f"(0..{files.spec.vocab_size - 1})", param="stop_token_ids")
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is not None and len(ids) + max_tokens > max_cells:
             raise APIError(400, f"This model's maximum context length is {max_cells} tokens. However, you requested "

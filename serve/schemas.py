@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+# Request fields hold what the engine can honour, checked here so no value reaches it that could make it fail:
+# integers are JSON integers (not true/false, not 1.0) within 32 or 63 bits, floats are finite and within
+# OpenAI's ranges (vLLM's for the fields OpenAI does not have).
+INT32_MAX = 2**31 - 1
+Count = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None  # -1 or 0: off; past the vocabulary: off
+    min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]] | None = None  # and below the vocabulary
+    presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0.0, le=2.0)] | None = None
+    ignore_eos: StrictBool = False
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -62,5 +69,5 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    prompt: str | list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]] | list[str]
+    echo: StrictBool = False

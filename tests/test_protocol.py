@@ -164,6 +164,9 @@ def test_bad_input_answers_err_and_the_engine_carries_on(engine, reference):
         (f"ADD v 5 1 {VOCAB + 1}", "ERR v invalid", "vocabulary"),
         ("ADD m 5 " + " ".join(["1"] * 600), "ERR m invalid", "max_cells"),
         ("ADD t 5 temperature=-1 1 2", "ERR t invalid", "temperature"),
+        ("ADD ti 5 temperature=inf 1 2", "ERR ti invalid", "temperature"),
+        ("ADD rp 5 repetition_penalty=nan 1 2", "ERR rp invalid", "repetition_penalty"),
+        ("ADD sd 5 seed=99999999999999999999 1 2", "ERR sd invalid", "seed"),
         ("ADD k 5 colour=blue 1 2", "ERR k invalid", "unknown key"),
         ("ADD z 0 1 2", "ERR z invalid", "at least one token"),
         ("ABORT", "ERR - invalid", "wrong number"),
@@ -178,6 +181,13 @@ def test_bad_input_answers_err_and_the_engine_carries_on(engine, reference):
     engine.send("ADD after 6 ignore_eos=1 4 4 4")
     lines = engine.read_until(ended("after"))
     assert tokens(lines, "after") == reference([4, 4, 4], 6)
+    # a top_k past the vocabulary (here past 64 bits) means no top_k: it samples, and the engine is still there
+    engine.send("ADD huge 4 ignore_eos=1 temperature=0.8 seed=3 top_k=100000000000000000000 4 4 4")
+    engine.send("ADD plain 4 ignore_eos=1 temperature=0.8 seed=3 4 4 4")
+    ends: set[str] = set()
+    lines = engine.read_until(lambda line: line.startswith("END") and ends.add(line.split()[1]) is None and len(ends) == 2)
+    assert tokens(lines, "huge") == tokens(lines, "plain") and len(tokens(lines, "huge")) == 4
+    assert engine.close() == 0
 
 
 def test_end_of_input_finishes_work_in_flight(model, reference):
@@ -207,3 +217,37 @@ def test_parse_and_format_round_trip():
                        ("ADD " + "x" * 65 + " 5 1", "request id"), ("GEN 5 1", "unknown command")]:
         with pytest.raises(protocol.ProtocolError, match=words):
             protocol.parse_command(bad)
+
+
+def test_a_window_that_fails_ends_only_its_requests(model, reference):
+    """Defence in depth: a fault inside a window (here injected into the sampler, the way an unforeseen setting
+    would fail there) ends the requests that window ran with ERR internal; the waiting line and the engine carry
+    on, and the next request gets its exact answer."""
+    from strata.runtime import slots as slots_module
+    from strata.runtime.scheduler import Scheduler
+
+    engine = Engine(ModelFiles.open(model), max_cells=512)
+    said: list[str] = []
+    scheduler = Scheduler(engine, 1, said.append)
+    scheduler.handle("ADD a 30 ignore_eos=1 1 2 3")
+    scheduler.handle("ADD b 5 ignore_eos=1 4 5 6")  # waits: one slot
+    real_sample = slots_module.sample
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise ValueError("injected fault")
+        return real_sample(*args, **kwargs)
+
+    slots_module.sample = failing
+    try:
+        while scheduler.busy:
+            scheduler.step()
+    finally:
+        slots_module.sample = real_sample
+    errs = [line for line in said if line.startswith("ERR")]
+    assert errs == ["ERR a internal internal error in a window: ValueError: injected fault"]
+    assert len(tokens(said, "a")) == 3 and not [line for line in said if line.startswith("END a")]
+    assert tokens(said, "b") == reference([4, 5, 6], 5) and "END b length 3 5 0" in said
+    assert not scheduler.running and not scheduler.slots.active

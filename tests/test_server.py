@@ -228,6 +228,30 @@ def test_bad_input_gets_an_openai_error_and_the_server_carries_on(server, solo_a
     assert complete(client, PROMPTS[0]) == solo_answers[0]
 
 
+OUT_OF_RANGE = [  # (field, value): each outside what OpenAI (or vLLM, for its own fields) accepts
+    ("top_k", 100000000000000000000), ("top_k", -2), ("temperature", float("inf")), ("temperature", 1e308),
+    ("temperature", 2.5), ("top_p", float("nan")), ("max_tokens", True), ("max_tokens", 2.0), ("seed", 2**64),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [2**64]), ("stop_token_ids", [99999999]), ("stream", "yes"),
+    ("repetition_penalty", 1e308), ("presence_penalty", float("-inf")), ("n", True),
+]
+
+
+def test_out_of_range_values_are_refused_at_the_boundary(server, solo_answers):
+    """Every sampling field is checked by the server against what the engine can honour: 400 naming the field,
+    nothing reaches the engine, and the engine (the same process) serves the next request."""
+    pid = httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"]
+    for field, value in OUT_OF_RANGE:
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value})  # inf/nan as JSON allows
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400, (field, value, r.text)
+        error = r.json()["error"]
+        assert error["param"].startswith(field) and field in error["message"], (field, value, error)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert complete(client, PROMPTS[0]) == solo_answers[0]
+    assert httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"] == pid  # never restarted
+
+
 def test_the_engine_process_is_restarted_and_in_flight_requests_fail_clearly(server, solo_answers):
     pid = httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"]
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}

@@ -12,6 +12,7 @@ adds one count with a scatter; `token_counts` builds them from id lists):
   generated_counts  int  [R, V]  how often the token occurs in the output so far (all three)
 """
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,12 +41,14 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise StrataError naming the first bad field. Call once, when a request is admitted."""
         checks = (
-            ("temperature", self.temperature, self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("temperature", self.temperature, 0 <= self.temperature < math.inf, "must be finite and >= 0 (0 = greedy)"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0 (0 = off)"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
+             "must be an int >= 0 (0, or the vocabulary's size or more: off)"),
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed < 2**63, "must be an int in [0, 2**63)"),
-            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            ("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty < math.inf,
+             "must be finite and > 0 (1 = off)"),
             ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
         )
@@ -182,8 +185,8 @@ def sample(
     # the rows' settings in two host-to-device copies: (temperature, top_p, min_p) and (greedy, top_k, seed)
     floats = row_tensor([[p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p] for p in params],
                         torch.float32, device)
-    ints = row_tensor([[p.is_greedy, p.top_k if p.top_k > 0 else vocab_size, p.seed] for p in params], torch.int64,
-                      device)
+    ints = row_tensor([[p.is_greedy, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, p.seed] for p in params],
+                      torch.int64, device)
     temperature, top_p, min_p = floats.unbind(-1)
     greedy, top_k, seed = ints[:, 0].bool(), ints[:, 1], ints[:, 2]
     if not isinstance(positions, Tensor):

@@ -81,10 +81,28 @@ class Scheduler:
         return True
 
     def step(self) -> None:
-        """Give waiting requests free slots, launch what may run and read one window; emit what it gave."""
+        """Give waiting requests free slots, launch what may run and read one window; emit what it gave. A window
+        that fails (an error the checks at admission did not foresee) ends the requests it ran with an internal
+        error; the engine carries on with the waiting line (a device fault the CUDA context cannot survive still
+        ends the process, which the server restarts)."""
         self._admit_waiting()
-        self._emit_events(self.slots.step())
+        try:
+            events = self.slots.step()
+        except Exception as e:
+            if _fatal(e):
+                raise
+            log.exception("a window failed; ending the requests it ran")
+            self._fail_running(f"internal error in a window: {type(e).__name__}: {e}")
+            return
+        self._emit_events(events)
         self._report_experts()
+
+    def _fail_running(self, message: str) -> None:
+        for index in self.slots.abandon():
+            rid = self.owner[index]
+            self.owner[index] = None
+            if rid is not None and self.running.pop(rid, None) is not None:
+                self.emit(protocol.err(rid, protocol.ERR_INTERNAL, message))
 
     # requests
 
@@ -178,3 +196,9 @@ class Scheduler:
         if (lot.conversations, lot.nbytes) != self._parked:
             self._parked = (lot.conversations, lot.nbytes)
             self.emit(protocol.parked(*self._parked))
+
+
+def _fatal(e: Exception) -> bool:
+    """A device error after which the CUDA context cannot be used again (the process must restart)."""
+    text = str(e)
+    return "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text

@@ -218,6 +218,17 @@ class Slots:
         if slot.active:
             slot.active, slot.unread, slot.released = False, [], next(_order)
 
+    def abandon(self) -> list[int]:
+        """After a window failed: forget every window in flight and end every slot that was active or had a row in
+        one; their states are reset, since the failed window may have advanced them part-way. Returns those slots.
+        The other idle slots keep what they hold."""
+        touched = sorted(self.busy | set(self.active))
+        self._flight.clear()
+        for i in touched:
+            self._release(self.slots[i])
+            self.slots[i].state.reset()
+        return touched
+
     def take_read_log(self) -> list[tuple[int, int]]:
         """(decode rows, prompt rows) of each window read since the last call (`vllm:iteration_tokens_total`)."""
         log = list(self._read_log)
