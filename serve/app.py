@@ -229,6 +229,16 @@ def create_app(settings: ServeSettings) -> FastAPI:
         finally:
             client.abandon(job)  # no-op when it already ended
 
+    async def abandon_on_disconnect(job: Job, http: Request) -> None:
+        """A non-streaming answer's client that leaves (times out, closes its connection) aborts the request at once,
+        while its tokens are still coming (a streaming response's disconnect cancels its generator instead). Its
+        body has been read, so the next ASGI message is the disconnect."""
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                client.abandon(job)
+                return
+
     def usage(job: Job) -> dict:
         n_prompt, n_gen = len(job.request.ids), len(job.generated)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -249,6 +259,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
         if not body.stream:
             parts, finish = [echo], None
+            watcher = asyncio.create_task(abandon_on_disconnect(job, http))
             try:
                 async for text, finish in pieces(job, stream, http):
                     parts.append(text)
@@ -256,6 +267,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 raise APIError(400, str(e)) from None
             except EngineDied as e:
                 raise APIError(500, str(e), kind="internal_server_error") from None
+            finally:
+                watcher.cancel()
             return {"id": rid, "object": kind, "created": created, "model": name,
                     "choices": [choice("".join(parts), finish_reason(finish), delta=False)], "usage": usage(job)}
 

@@ -408,3 +408,35 @@ def test_the_waiting_line_is_bounded_and_clients_that_leave_free_their_place(sol
         assert scrape(srv)["vllm:request_success_total{finished_reason=abort}"] == 3
     finally:
         srv.stop()
+
+
+def test_a_non_streaming_client_that_leaves_mid_answer_stops_its_request(server, solo_answers):
+    """A client of a non-streaming answer that goes away while the tokens come (a client-side timeout, say) aborts
+    its request at once: the slot is free long before max_tokens would have been reached, and the next request
+    gets its solo answer."""
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+
+    async def scenario() -> float:
+        async with httpx.AsyncClient(timeout=60) as http:
+            await wait_until(http, server.url, "vllm:num_requests_running{}", 0)
+            before = _series((await http.get(server.url + "/metrics", headers={"Accept": "text/plain"})).text)
+            leaver = httpx.AsyncClient(timeout=60)
+            answer = asyncio.create_task(leaver.post(url, json=body))
+            deadline = time.monotonic() + 60
+            while True:  # until it decodes
+                now = _series((await http.get(server.url + "/metrics", headers={"Accept": "text/plain"})).text)
+                if now["vllm:generation_tokens_total{}"] - before["vllm:generation_tokens_total{}"] >= 3:
+                    break
+                assert time.monotonic() < deadline, "the request never decoded"
+                await asyncio.sleep(0.05)
+            answer.cancel()  # the client leaves mid-answer
+            await leaver.aclose()
+            await wait_until(http, server.url, "vllm:num_requests_running{}", 0, deadline_s=10)
+            after = _series((await http.get(server.url + "/metrics", headers={"Accept": "text/plain"})).text)
+            return after["vllm:generation_tokens_total{}"] - before["vllm:generation_tokens_total{}"]
+
+    generated = asyncio.run(scenario())
+    assert generated < 300, f"{generated} tokens were generated for a client that had left"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert complete(client, PROMPTS[0]) == solo_answers[0]
