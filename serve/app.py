@@ -15,12 +15,15 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import strata
 from serve.config import ServeSettings
 from serve.engine_client import EngineClient, EngineDied, EngineFull, EngineRefused, Job, engine_argv
 from serve.metrics import Metrics, RequestRecord
 from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.shutdown import Drain
 from serve.text import TextStream
 from strata.errors import StrataError
 from strata.model.loader import ModelFiles
@@ -33,13 +36,18 @@ DISCONNECT_POLL_S = 0.5
 
 
 class APIError(Exception):
+    """An answer in OpenAI's error shape. `code`: OpenAI's string code where it has one for the case (such as
+    "context_length_exceeded"), else the HTTP status, as vLLM gives it."""
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+        self.code = code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        code = self.code if self.code is not None else self.status
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -75,25 +83,40 @@ def create_app(settings: ServeSettings) -> FastAPI:
     max_cells = min(settings.max_cells, files.spec.max_positions)
     metrics = Metrics(name, max_cells, settings.batch)
     client = EngineClient(engine_argv(settings), metrics, settings.batch)
+    drain = Drain(settings.shutdown_grace)
+    drain.end_all = client.end_all
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        drain.loop = asyncio.get_running_loop()
         await client.start()
         yield
+        drain.cancel()
         await client.close()
 
     app = FastAPI(title="Strata", version=strata.__version__, lifespan=lifespan)
-    app.state.client, app.state.metrics = client, metrics
+    app.state.client, app.state.metrics, app.state.drain = client, metrics, drain
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        """404 (no such path), 405 (a method the path does not take) and the like, in OpenAI's error shape."""
+        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        message = {404: f"{request.url.path}: no such endpoint (see /docs)",
+                   405: f"{request.method} {request.url.path}: the endpoint does not take this method"}
+        return APIError(e.status_code, message.get(e.status_code, str(e.detail)), kind=kind,
+                        headers=getattr(e, "headers", None)).response()
 
     if settings.api_key:
         app.add_middleware(RequireKey, key=settings.api_key)
 
     @app.get("/health")
     async def health():
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not client.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok"}
@@ -125,6 +148,17 @@ def create_app(settings: ServeSettings) -> FastAPI:
             data = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply to read") from None
+        except ClientDisconnect:  # the client left while sending its body: nobody reads the answer
+            raise APIError(400, "the client disconnected before its request body was complete") from None
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff not "
+                                "paired with its other half): text must be valid Unicode") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply to read") from None
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -143,8 +177,9 @@ def create_app(settings: ServeSettings) -> FastAPI:
             raise APIError(400, f"a prompt token id is outside the vocabulary (0..{files.spec.vocab_size - 1})",
                            param="prompt")
         if len(ids) >= max_cells:
-            raise APIError(413, f"the prompt has {len(ids)} tokens; this model's context is {max_cells} tokens "
-                                "and the answer needs at least one more", param="messages")
+            raise APIError(400, f"This model's maximum context length is {max_cells} tokens. However, your prompt has "
+                                f"{len(ids)} tokens and the answer needs at least one more. Shorten the prompt.",
+                           param="messages", code="context_length_exceeded")
         if any(not 0 <= i < files.spec.vocab_size for i in body.stop_token_ids or []):
             raise APIError(400, "stop_token_ids: a token id is outside the vocabulary "
                                 f"(0..{files.spec.vocab_size - 1})", param="stop_token_ids")
@@ -152,7 +187,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
         if max_tokens is not None and len(ids) + max_tokens > max_cells:
             raise APIError(400, f"This model's maximum context length is {max_cells} tokens. However, you requested "
                                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                                "completion). Reduce the prompt or max_tokens.", param="max_tokens")
+                                "completion). Reduce the prompt or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
         params = SamplingParams(
             temperature=body.temperature if body.temperature is not None else 1.0,
             top_p=body.top_p if body.top_p is not None else 1.0,
@@ -175,6 +211,9 @@ def create_app(settings: ServeSettings) -> FastAPI:
         request = engine_request(body, ids)
         record = RequestRecord(f"{uuid.uuid4().hex[:16]}", len(ids), request.max_new, time.monotonic())
         job = None
+        if drain.draining:
+            raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
+                           kind="service_unavailable")
         try:
             job = client.submit(request, record)
             await client.accept(job)

@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from serve.metrics import Metrics, RequestRecord
 from strata import protocol
 from strata.protocol import Request
+from strata.runtime.pipe import EXIT_WITH_PARENT
 
 log = logging.getLogger("strata.serve")
 
@@ -92,7 +94,7 @@ class EngineClient:
             # only, which then stops the engine itself; the engine also exits when its input closes.
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 24,
-                start_new_session=True,
+                start_new_session=True, env={**os.environ, EXIT_WITH_PARENT: str(os.getpid())},
             )
             log.info("engine process started (pid %d): %s", self.proc.pid, " ".join(self.argv))
             while line := await self.proc.stdout.readline():
@@ -225,6 +227,18 @@ class EngineClient:
         job.events.put_nowait(("done", reason))
         job.finished.set()
         self._update_load()
+
+    def end_all(self, message: str) -> int:
+        """End every request the engine runs or holds, as the server's own decision (shutdown): each gets an
+        error event with `message`, and the engine is told to abort it. Returns how many."""
+        jobs = list(self.jobs.values())
+        for job in jobs:
+            try:
+                self._send(f"ABORT {job.id}")
+            except EngineDied:
+                pass
+        self._fail_all(EngineDied(message))
+        return len(jobs)
 
     def _fail_all(self, error: Exception) -> None:
         jobs = list(self.jobs.values())

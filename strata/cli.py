@@ -80,6 +80,9 @@ def run_engine(s: EngineSettings) -> None:
 
     from strata.runtime.warmup import warm_up
 
+    from strata.runtime.pipe import exit_with_parent
+
+    exit_with_parent()  # started by `strata serve`: never outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
     engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
@@ -109,12 +112,12 @@ def _serve_settings():
         def cli_cmd(self) -> None:
             import logging
 
-            import uvicorn
-
             from serve.app import create_app
+            from serve.shutdown import serve
 
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            uvicorn.run(create_app(self), host=self.host, port=self.port, log_level="info")
+            app = create_app(self)
+            serve(app, self.host, self.port, app.state.drain)
 
     return Serve
 

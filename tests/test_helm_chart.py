@@ -344,6 +344,7 @@ def test_server_deployment_is_ready_for_large_models_on_gpus(rendered):
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] == int(sleep[1]) + 120 > int(sleep[1])
+    assert "--shutdown-grace=110" in c["args"]  # the server ends what still runs before the pod's grace is over
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory" and mounts["shm"] == "/dev/shm"

@@ -336,6 +336,7 @@ def test_the_deployment_runs_the_config_on_its_profiles_nodes():
     (c,) = pod["containers"]
     assert c["args"] == ["--config", "/etc/strata/config.json", "--max-window-tokens", "1024"]
     assert {"name": "STRATA_DEVICE", "value": "cuda:0"} in c["env"]  # the image's STRATA_DEVICE would beat the file
+    assert {"name": "STRATA_SHUTDOWN_GRACE", "value": "110"} in c["env"]  # within the pod's grace
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["image"] == "strata:0.1.0"
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"][0] == {"key": "nvidia.com/gpu.product", "operator": "In", "values": [H200]}

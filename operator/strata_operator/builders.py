@@ -99,6 +99,8 @@ def build_deployment(sd: StrataDeployment, profile: Profile, proposal: Proposal,
     env = [{"name": "STRATA_DEVICE", "value": proposal.settings["device"]},  # the image sets cuda; env beats config
            {"name": "STRATA_MODEL_DIR", "value": spec.storage.mount_path}]
     env += [{"name": k, "value": v} for k, v in sorted(proposal.env.items())]
+    # the server ends answers still running this long after SIGTERM, before the pod's grace is over
+    env.append({"name": "STRATA_SHUTDOWN_GRACE", "value": str(REQUEST_SECONDS - 10)})
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     container = {
         "name": "server",

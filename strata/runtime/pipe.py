@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
 import threading
 from typing import TextIO
 
 from strata import protocol
 from strata.runtime.scheduler import Scheduler
+
+EXIT_WITH_PARENT = "STRATA_EXIT_WITH_PARENT"  # the server sets it to its pid for the engine process it starts
+
+
+def exit_with_parent() -> None:
+    """In an engine process started by `strata serve` (EXIT_WITH_PARENT set): ask Linux to send SIGTERM when the
+    server dies, by SIGKILL too, so an engine never outlives its server; exit at once if it is already gone.
+    Elsewhere a no-op (the engine still exits when its input closes)."""
+    parent = os.environ.get(EXIT_WITH_PARENT)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the server died before the request took effect
+        os._exit(1)
+
 
 _CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "EXPERTS")
 
