@@ -219,7 +219,7 @@ def test_models_health_version(server):
     ("[" * 100000 + "]" * 100000, 400, "nests too deeply"),
     ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
     ({"model": MODEL, "prompt": [1, 99999999]}, 400, "vocabulary"),
-])
+], ids=lambda v: str(v)[:40])
 def test_bad_input_gets_an_openai_error_and_the_server_carries_on(server, solo_answers, body, status, words):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}, timeout=60)
