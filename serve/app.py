@@ -121,6 +121,16 @@ def create_app(settings: ServeSettings) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok"}
 
+    @app.get("/live")
+    async def live():
+        """Liveness, apart from readiness (`/health`): fails only when the engine hangs (silent while requests run,
+        `--engine-silence`) or does not come back for 10 minutes after it went away; loading, warm-up and
+        draining keep it alive."""
+        why = client.alive(settings.engine_silence)
+        if why is not None:
+            return JSONResponse({"status": "not alive", "reason": why}, status_code=503)
+        return {"status": "alive"}
+
     @app.get("/version")
     async def version():
         return {"version": strata.__version__}

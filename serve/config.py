@@ -16,4 +16,7 @@ class ServeSettings(EngineSettings):
                                   description="seconds running answers get to finish after SIGTERM before the server "
                                   "ends them with an error event and exits (keep it below the pod's "
                                   "terminationGracePeriodSeconds)")
+    engine_silence: float = Field(60.0, gt=0, allow_inf_nan=False,
+                                  description="seconds the engine may say nothing while requests run before /live "
+                                  "fails (a hung engine: the orchestrator restarts the container)")
     served_model_name: str | None = Field(None, description="the model name clients send (default: the file or folder name)")

@@ -30,6 +30,9 @@ from strata.runtime.pipe import EXIT_WITH_PARENT
 log = logging.getLogger("strata.serve")
 
 
+RELOAD_LIMIT_S = 600.0  # an engine that went away and is not ready again after this long fails liveness
+
+
 class EngineDied(RuntimeError):
     """The engine process exited while a request was in flight."""
 
@@ -71,6 +74,18 @@ class EngineClient:
         self._closing = False
         self._task: asyncio.Task | None = None
         self.restarts = 0
+        self.last_heard = time.monotonic()  # the engine's last line
+        self.unready_since: float | None = None  # when a once-ready engine went away (None: ready, or first load)
+
+    def alive(self, silence_s: float, reload_s: float = RELOAD_LIMIT_S) -> str | None:
+        """Why the server is not alive (`/live`), None when it is: requests run and the engine has said nothing
+        for `silence_s` seconds (hung), or an engine that was ready has not been ready again for `reload_s`."""
+        now = time.monotonic()
+        if any(j.where == "running" for j in self.jobs.values()) and now - self.last_heard > silence_s:
+            return f"the engine has said nothing for {now - self.last_heard:.0f} s while requests run"
+        if self.unready_since is not None and now - self.unready_since > reload_s:
+            return f"the engine has not been ready for {now - self.unready_since:.0f} s since it went away"
+        return None
 
     # process
 
@@ -98,8 +113,11 @@ class EngineClient:
             )
             log.info("engine process started (pid %d): %s", self.proc.pid, " ".join(self.argv))
             while line := await self.proc.stdout.readline():
+                self.last_heard = time.monotonic()
                 self._on_line(line.decode().rstrip("\n"))
             code = await self.proc.wait()
+            if self.ready.is_set():
+                self.unready_since = time.monotonic()
             self.ready.clear()
             if self._closing:
                 return
@@ -170,6 +188,7 @@ class EngineClient:
             self.metrics.set_engine_facts(self.facts)
             self.metrics.set_parked(0, 0)  # a new engine process holds no parked conversation
             self.metrics.expert_pairs(0, 0)  # and counts its expert pairs from 0
+            self.unready_since = None
             self.ready.set()
         elif kind == "PARKED":
             self.metrics.set_parked(_field(words, 1), _field(words, 2))

@@ -338,7 +338,8 @@ def test_server_deployment_is_ready_for_large_models_on_gpus(rendered):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["path"] == "/health" and ports[c[probe]["httpGet"]["port"]] == 8000, probe
+        path = "/live" if probe == "livenessProbe" else "/health"  # liveness apart from readiness
+        assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000, probe
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800, "patient enough to load a large model"
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]

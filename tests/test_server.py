@@ -503,3 +503,32 @@ def test_an_engine_never_outlives_a_killed_server():
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait(timeout=10)
     assert _gone(engine_pid, 15), "the engine kept running after its server was killed"
+
+
+def test_liveness_fails_for_a_hung_engine_and_recovers():
+    """`/live` is apart from readiness: it fails while the engine is stopped mid-answer (SIGSTOP: silent while a
+    request runs) and passes again once it goes on; the answer then completes."""
+    srv = Server("--batch", "1", "--engine-silence", "1.5")
+    engine_pid = httpx.get(srv.url + "/metrics").json()["engine_facts"]["pid"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        assert httpx.get(srv.url + "/live").json() == {"status": "alive"}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(engine_pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while (live := httpx.get(srv.url + "/live", timeout=5)).status_code == 200:
+                    assert time.monotonic() < deadline, "/live kept passing while the engine was stopped"
+                    time.sleep(0.2)
+                assert live.status_code == 503 and "said nothing" in live.json()["reason"]
+                assert httpx.get(srv.url + "/health").status_code == 200  # readiness is another question
+            finally:
+                os.kill(engine_pid, signal.SIGCONT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+        assert httpx.get(srv.url + "/live").status_code == 200
+    finally:
+        srv.stop()

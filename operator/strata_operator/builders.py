@@ -108,10 +108,12 @@ def build_deployment(sd: StrataDeployment, profile: Profile, proposal: Proposal,
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", *spec.engine.extra_args],  # the entrypoint: strata serve
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        # an hour to load a model before liveness and readiness begin; /health is 503 while the engine reloads
+        # an hour to load a model before liveness and readiness begin; /health is 503 while the engine reloads;
+        # /live fails only for a hung engine, or one not back 10 minutes after it went away
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 360},
         "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": {**probe, "periodSeconds": 30, "failureThreshold": 20},
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "timeoutSeconds": 5, "periodSeconds": 30,
+                          "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
         "resources": _resources(spec.resources, spec.gpus_per_replica),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
