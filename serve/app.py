@@ -314,8 +314,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
                     parts.append(text)
             except EngineRefused as e:
                 raise APIError(400, str(e)) from None
-            except EngineDied as e:
-                raise APIError(500, str(e), kind="internal_server_error") from None
+            except EngineDied as e:  # the engine went away (it restarts) or the server shuts down: retry elsewhere
+                raise APIError(503, str(e), kind="service_unavailable") from None
             finally:
                 watcher.cancel()
             return {"id": rid, "object": kind, "created": created, "model": name,
