@@ -351,7 +351,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
         """OpenAI's two values: "length" when max_tokens or the context ran out, else "stop"."""
         return "length" if reason == "length" else "stop"
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(http: Request):
         body = await body_of(http, ChatCompletionRequest)
         try:
@@ -360,7 +360,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             raise APIError(400, str(e), param="messages") from None
         return await respond(body, await submit(body, ids), http, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(http: Request):
         body = await body_of(http, CompletionRequest)
         prompt = body.prompt
@@ -372,4 +372,28 @@ def create_app(settings: ServeSettings) -> FastAPI:
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else ""
         return await respond(body, await submit(body, ids), http, chat=False, echo=echo)
 
+    openapi = app.openapi
+
+    def openapi_with_bodies() -> dict:
+        """FastAPI's schema, with the request bodies' models under components (the endpoints read their bodies
+        themselves, to answer bad ones in OpenAI's error shape, so FastAPI does not list them by itself)."""
+        if app.openapi_schema is None:
+            schema = openapi()
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest):
+                body = model.model_json_schema(ref_template=REF_TEMPLATE)
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi_with_bodies
     return app
+
+
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+def request_body(model: type) -> dict:
+    """The OpenAPI requestBody of an endpoint that takes `model` as JSON."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}}

@@ -532,3 +532,19 @@ def test_liveness_fails_for_a_hung_engine_and_recovers():
         assert httpx.get(srv.url + "/live").status_code == 200
     finally:
         srv.stop()
+
+
+def test_the_openapi_schema_describes_the_request_bodies(server):
+    """A fuzzer (schemathesis) or a client generator reads the bodies from /openapi.json, with their ranges."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model, field in [("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+                               ("/v1/completions", "CompletionRequest", "prompt")]:
+        body = schema["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        props = components[model]["properties"]
+        assert field in components[model]["required"]
+        temperature = next(t for t in props["temperature"]["anyOf"] if t.get("type") == "number")
+        assert temperature["minimum"] == 0 and temperature["maximum"] == 2
+    message = components["ChatCompletionRequest"]["properties"]["messages"]["items"]["$ref"].rsplit("/", 1)[1]
+    assert "role" in components[message]["properties"]  # every $ref resolves under components
