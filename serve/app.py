@@ -162,13 +162,16 @@ def create_app(settings: ServeSettings) -> FastAPI:
             raise APIError(400, "the request body nests too deeply to read") from None
         except ClientDisconnect:  # the client left while sending its body: nobody reads the answer
             raise APIError(400, "the client disconnected before its request body was complete") from None
+        # A lone surrogate can only come from a \\uD800-\\uDFFF escape (raw UTF-8 cannot hold one): only a body with
+        # such an escape is serialized again to find it, so other requests pay a byte scan, not a second pass.
+        raw = await request.body()
         try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, "the request holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff not "
-                                "paired with its other half): text must be valid Unicode") from None
+            lone = (b"\\ud" in raw or b"\\uD" in raw) and _lone_surrogate(data)
         except RecursionError:
             raise APIError(400, "the request body nests too deeply to read") from None
+        if lone:
+            raise APIError(400, "the request holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff not "
+                                "paired with its other half): text must be valid Unicode")
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -388,6 +391,15 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app.openapi = openapi_with_bodies
     return app
+
+
+def _lone_surrogate(data) -> bool:
+    """Whether a parsed JSON value holds a string with an unpaired UTF-16 surrogate (not encodable as UTF-8)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 REF_TEMPLATE = "#/components/schemas/{model}"
