@@ -72,8 +72,9 @@ class Generate(GenerateSettings):
 
 def run_engine(s: EngineSettings) -> None:
     from strata.model.loader import ModelFiles
-    from strata.runtime.generate import Engine
+    from strata.runtime.generate import Engine, default_window_tokens
     from strata.runtime.pipe import Pipe
+    from strata.runtime.precompile import start_compile_workers
     from strata.runtime.scheduler import Scheduler
 
     import logging
@@ -85,13 +86,21 @@ def run_engine(s: EngineSettings) -> None:
     exit_with_parent()  # started by `strata serve`: never outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
-    engine = Engine(ModelFiles.open(s.model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
+    files = ModelFiles.open(s.model)
+    workers = start_compile_workers(
+        files.spec, device=s.torch_device(), dtype=s.torch_dtype(), kernels=s.kernels, max_cells=s.max_cells,
+        max_window_tokens=s.max_window_tokens or default_window_tokens(s.torch_device()), num_slots=s.batch,
+        lookahead=s.lookahead, single_stage=s.layer_split is None and s.expert_budget_gb is None,
+        workers=s.compile_workers)
+    engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
                     park_gb=s.park_gb, **s.stage_options())
-    pipe = Pipe(sys.stdin, sys.stdout)
-    scheduler = Scheduler(engine, s.batch, pipe.emit, s.max_waiting)
     loaded = time.perf_counter()
     logging.getLogger("strata.engine").info("model loaded in %.1f s", loaded - start)
+    if workers is not None:
+        workers.wait()  # before the slots' cells are allocated: the workers' memory is free again
+    pipe = Pipe(sys.stdin, sys.stdout)
+    scheduler = Scheduler(engine, s.batch, pipe.emit, s.max_waiting)
     warm_up(scheduler.slots)  # before READY: nothing is compiled or captured on a request's path
     pipe.serve(scheduler)
 

@@ -97,6 +97,10 @@ class EngineSettings(StrataSettings):
     park_gb: float | None = Field(
         None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
     )
+    compile_workers: int | None = Field(
+        None, ge=0, le=64, description="processes that compile the Triton kernels while the weights load, so the "
+        "warm-up finds them compiled (default: up to 8, by cores and the GPU memory beside the model; 0: none)"
+    )
 
     @field_validator("park_gb")
     @classmethod

@@ -106,7 +106,7 @@ def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypa
 def test_warm_up_runs_every_window_shape_and_leaves_the_engine_as_new(tmp_path):
     """The warm-up before READY (decode windows of every row count, prompt chunks of every size, requests through
     the slots) on the Triton path: it reports its progress to the end, leaves every slot empty and nothing parked,
-    and requests afterwards get the torch path's tokens."""
+    and requests afterwards get the torch path's tokens; its shares (what compile workers run) split it exactly."""
     from strata.runtime.warmup import warm_up
 
     build("llama-gqa-tied", tmp_path)
@@ -121,6 +121,14 @@ def test_warm_up_runs_every_window_shape_and_leaves_the_engine_as_new(tmp_path):
     assert {"decode", "prompt", "sampler", "2"} <= kinds  # decode windows, prompt chunks, sampler, request rounds
     assert all(not s.active and s.state.length == 0 and s.state.tokens == [] for s in slots.slots)
     assert fast.parking.conversations == 0 and not slots.in_flight
+    # compile workers run shares of it (`share=(k, n)`): together each item exactly once, the prompt chunks a
+    # share skips still advancing its reading position; a share too leaves the slots empty
+    whole = [what for _, what in seen]
+    for k in (0, 1):
+        share: list[str] = []
+        warm_up(slots, progress=lambda done, what: share.append(what), share=(k, 2))
+        assert share == whole[k::2]
+        assert all(not s.active and s.state.length == 0 for s in slots.slots) and not slots.in_flight
     for i in (0, 1):
         slots.admit(i, prompt(i + 2), NEW, stop_ids=frozenset())
     got: dict[int, list[int]] = {}
@@ -129,3 +137,22 @@ def test_warm_up_runs_every_window_shape_and_leaves_the_engine_as_new(tmp_path):
             got.setdefault(e.slot, []).append(e.token)
     for i in (0, 1):
         assert got[i] == reference.generate(prompt(i + 2), NEW, stop_ids=frozenset()).ids
+
+
+def test_compile_workers_run_the_warm_up_on_a_model_cut_to_one_layer_of_each_kind(tmp_path):
+    """The workers `strata engine` starts while it loads (`strata.runtime.precompile`): each builds the model cut
+    to one layer of each (mixer, MLP) kind with random weights and runs its share of the warm-up, in a process of
+    its own; here on the CPU under Triton's interpreter, where they end cleanly. On the CPU the engine starts
+    none."""
+    from strata.runtime.precompile import CompileWorkers, Job, layer_kinds, start_compile_workers
+
+    build("qwen3_next", tmp_path)
+    spec = ModelFiles.open(tmp_path).spec
+    cut = layer_kinds(spec)
+    assert {(layer.mixer, layer.mlp) for layer in cut.layers} == {(layer.mixer, layer.mlp) for layer in spec.layers}
+    assert len(cut.layers) == len({(layer.mixer, layer.mlp) for layer in spec.layers}) < spec.num_layers
+    workers = CompileWorkers(Job(spec, "cpu", torch.float32, 16, 4, 2, 0, kernels="triton"), 2)
+    assert workers.wait() > 0
+    assert [p.exitcode for p in workers.procs] == [0, 0]
+    assert start_compile_workers(spec, device=torch.device("cpu"), dtype=torch.float32, kernels="triton", max_cells=16,
+                                 max_window_tokens=4, num_slots=2, lookahead=0, single_stage=True) is None

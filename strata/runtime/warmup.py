@@ -78,8 +78,13 @@ def progress_printer(total: int, stream=None) -> Callable[[int, str], None]:
 
 
 @torch.inference_mode()
-def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) -> float:
-    """Compile and capture what the slots' windows can need (see the module's text); the seconds it took."""
+def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
+            share: tuple[int, int] | None = None) -> float:
+    """Compile and capture what the slots' windows can need (see the module's text); the seconds it took.
+
+    `share` (k, n): run only every n-th item from the k-th, as a compile worker does (`strata.runtime.precompile`);
+    the prompt chunks it skips still advance the reading sequence, so the chunks it runs start where they start in
+    the whole warm-up. A share leaves the parking memory alone."""
     engine = slots.engine
     if engine.kernels != "triton" or slots.in_flight or slots.active:
         return 0.0
@@ -88,38 +93,22 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
     sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1), rows[-1])
     counts = sample_counts(len(slots))
     rounds = mixed_rounds(slots)
-    total = len(rows) + len(sizes) + len(counts) + len(rounds)
-    show = progress or progress_printer(total)
-    done = 0
     states = [s.state for s in slots.slots]
-    phases = {}  # seconds per phase, for the log line
-    mark = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        phases[name] = now - mark
-        mark = now
-
     vocab, device = engine.spec.vocab_size, engine.stages[-1].device
-    for r in rows:  # decode windows: one graph per row count
-        engine.forward(Window.build([(states[i], [0], False) for i in range(r)], engine.device))
-        done += 1
-        show(done, f"decode window of {r} row(s)")
-    phase("decode graphs")
     reader = states[0]
-    for n in sizes:  # prompt windows, later chunks past position 0
+
+    def decode_window(r: int) -> None:  # one graph per row count
+        engine.forward(Window.build([(states[i], [0], False) for i in range(r)], engine.device))
+
+    def prompt_chunk(n: int, run: bool = True) -> None:  # later chunks past position 0
         if reader.length + n >= reader.max_cells:
             reader.reset()
         window = Window.build([(reader, [0] * n, False)], engine.device)
-        engine.forward(window)
+        if run:
+            engine.forward(window)
         window.commit()
-        done += 1
-        show(done, f"prompt chunk of {n} rows")
-    phase("prompt chunks")
-    for r in counts:  # the sampler: greedy rows, sampled rows, penalised rows
+
+    def sampler(r: int) -> None:  # greedy rows, sampled rows, penalised rows
         logits = torch.zeros(r, vocab, device=device)
         positions = list(range(r))
         sample(logits, [SamplingParams()] * r, positions)
@@ -128,24 +117,45 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None) ->
         counts_ = token_counts(torch.zeros(r, 1, dtype=torch.int64, device=device), vocab)
         sample(logits, [SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5)] * r, positions,
                seen, counts_)
-        done += 1
-        show(done, f"sampler over {r} row(s)")
-    phase("sampler")
-    for requests in rounds:  # requests through the slots: mixed windows, lookahead, many logit rows
+
+    def request_round(requests: list[list[int]]) -> None:  # mixed windows, lookahead, many logit rows
         for state in states:  # empty slots: an admission has nothing to park
             state.reset()
         for i, prompt in enumerate(requests):
             slots.admit(i, prompt, 3, SamplingParams(), frozenset())
         while slots.active or slots.in_flight:
             slots.step()
-        done += 1
-        show(done, f"{len(requests)} requests through the slots")
-    phase("request rounds")
+
+    items: list[tuple[str, str, Callable[..., None], object]] = [  # (phase, what, run, its argument)
+        *(("decode graphs", f"decode window of {r} row(s)", decode_window, r) for r in rows),
+        *(("prompt chunks", f"prompt chunk of {n} rows", prompt_chunk, n) for n in sizes),
+        *(("sampler", f"sampler over {r} row(s)", sampler, r) for r in counts),
+        *(("request rounds", f"{len(q)} requests through the slots", request_round, q) for q in rounds),
+    ]
+    k, n = share or (0, 1)
+    mine = [item for j, item in enumerate(items) if j % n == k]
+    show = progress or progress_printer(len(mine))
+    phases: dict[str, float] = {}  # seconds per phase, for the log line
+    mark, done = time.perf_counter(), 0
+    for j, (name, what, run, arg) in enumerate(items):
+        if j % n != k:
+            if run is prompt_chunk:
+                prompt_chunk(arg, run=False)
+            continue
+        run(arg)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark
+        mark, done = now, done + 1
+        show(done, what)
     for state in states:
         state.reset()
+    if share is not None:
+        return time.perf_counter() - start
     engine.parking.clear()
     engine.parking.ring.reserve(pinned=device.type == "cuda")  # parking's host memory, pinned once, here
-    phase("parking memory")
+    phases["parking memory"] = time.perf_counter() - mark
     took = time.perf_counter() - start
     log.info("warm-up: %d decode graphs, %d prompt chunk sizes, the sampler and %d request rounds in %.1f s (%s)",
              len(rows), len(sizes), len(rounds), took, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
