@@ -19,5 +19,5 @@ def test_bench_script_imports(path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
-    if path.stem not in ("gpu_timing", "shapes"):  # helpers; every script has an entry point
+    if path.stem not in ("checkpoints", "gpu_timing", "shapes"):  # helpers; every script has an entry point
         assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
