@@ -144,6 +144,15 @@ class ServerProcess:
     def facts(self) -> dict:
         return httpx.get(self.url + "/metrics", timeout=10).json()
 
+    def windows(self) -> tuple[float, float]:
+        """(windows read, rows in them) so far: vllm:iteration_tokens_total's count and sum."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", headers={"accept": "text/plain"}, timeout=10).text
+        found = {s.name: s.value for f in text_string_to_metric_families(text) if f.name == "vllm:iteration_tokens_total"
+                 for s in f.samples if s.name.endswith(("_count", "_sum"))}
+        return found.get("vllm:iteration_tokens_total_count", 0.0), found.get("vllm:iteration_tokens_total_sum", 0.0)
+
     def wait_idle(self, deadline_s: float = 120.0) -> None:
         """Until the server runs and holds no request (aborted streams end a moment after their clients go)."""
         deadline = time.monotonic() + deadline_s
@@ -369,10 +378,13 @@ async def waves(server: ServerProcess, wave_prompts: dict[int, list[list[int]]],
     for n, batch in wave_prompts.items():
         server.wait_idle()
         cpu = (cpu_seconds(server.proc.pid), cpu_seconds(server.engine_pid))
+        windows = server.windows()
         figures = out[n] = wave_figures(await clients.wave(server.url, batch, max_tokens))
         spent = (cpu_seconds(server.proc.pid) - cpu[0], cpu_seconds(server.engine_pid) - cpu[1])
         tokens = max(figures["tokens"], 1)
         figures.update(server_cpu_s=spent[0], engine_cpu_s=spent[1], server_cpu_per_token_s=spent[0] / tokens)
+        after = server.windows()
+        figures.update(windows=after[0] - windows[0], window_rows=after[1] - windows[1])
         print(f"  wave of {n}: {figures['tok_s']:.1f} tok/s; the server's CPU {spent[0] / figures['wall_s']:.0%} of a "
               f"core ({spent[0] / tokens * 1e6:.0f} us a token), the engine's {spent[1] / figures['wall_s']:.0%}",
               flush=True)
@@ -453,6 +465,7 @@ class InProcess:
         self.added: dict[str, float] = {}
         self.ended: set[str] = set()
         self.count = 0
+        self.windows = [0, 0]  # windows read, rows in them (the engine's WIN events)
         scheduler.emit = self._event
 
     def _event(self, line: str) -> None:
@@ -461,6 +474,9 @@ class InProcess:
         if words[0] == "TOK":
             for k in range(1, len(words) - 1, 2):
                 self.stamps.setdefault(words[k], []).append(now)
+        elif words[0] == "WIN":
+            self.windows[0] += 1
+            self.windows[1] += int(words[1]) + int(words[2])
         elif words[0] == "END":
             self.ended.add(words[1])
         elif words[0] == "ERR":
@@ -489,6 +505,7 @@ class InProcess:
         """Every prompt added at once, stepped until all are done."""
         sync(self.device)
         start = time.monotonic()
+        windows = list(self.windows)
         rids = [self.add(ids, max_tokens) for ids in batch]
         self.step_until(lambda: all(r in self.ended for r in rids))
         sync(self.device)
@@ -497,7 +514,8 @@ class InProcess:
         ttfts = [self.ttft(r) for r in rids]
         gaps = [g for r in rids for g in self.gaps(r)]
         return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
-                "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99)}
+                "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99),
+                "windows": self.windows[0] - windows[0], "window_rows": self.windows[1] - windows[1]}
 
     @torch.inference_mode()
     def stall(self, args, vocab: int, num_streams: int) -> dict:
@@ -600,6 +618,11 @@ def print_report(r: dict) -> None:
               f"{ms(w['ttft_p50_s']):>9} {ms(w['ttft_p99_s']):>9} {ms(w['gap_p50_s']):>8} {ms(w['gap_p99_s']):>8} "
               f"{w['errors']:>6} {w['server_cpu_per_token_s'] * 1e6:>13.0f} {ms(e['ttft_p50_s']):>16} "
               f"{ms(e['gap_p50_s']):>8} {ms(e['gap_p99_s']):>8}")
+    print("windows per wave, server (in process): " + "; ".join(
+        f"{n}: {w['windows']:.0f} of {w['window_rows'] / max(w['windows'], 1):.0f} rows "
+        f"({r['engine']['waves'][n]['windows']} of "
+        f"{r['engine']['waves'][n]['window_rows'] / max(r['engine']['waves'][n]['windows'], 1):.0f})"
+        for n, w in r["server"]["waves"].items()))
     for n, w in r["server"]["waves"].items():
         if w["first_error"]:
             print(f"  wave of {n}: {w['errors']} failed, e.g. {w['first_error']}")
