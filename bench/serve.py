@@ -743,7 +743,8 @@ def main(argv: list[str] | None = None) -> None:
         startup = server.wait_healthy()
         print(f"  healthy after {startup:.1f} s (log: {server.log_path})", flush=True)
         for line in server.log_tail(400).splitlines():
-            if "model loaded in" in line or "warm-up:" in line and "decode graphs" in line:
+            if "model loaded in" in line or "compile workers done" in line or "compiling kernels in" in line \
+                    or "warm-up:" in line and "decode graphs" in line:
                 print("  server log:", line.strip()[-300:], flush=True)
         served = asyncio.run(measure_server(server, args, vocab, wave_prompts))
     finally:
