@@ -188,12 +188,15 @@ class EngineClient:
             self.metrics.set_engine_facts(self.facts)
             self.metrics.set_parked(0, 0)  # a new engine process holds no parked conversation
             self.metrics.expert_pairs(0, 0)  # and counts its expert pairs from 0
+            self.metrics.spec_totals([])  # and its drafts
             self.unready_since = None
             self.ready.set()
         elif kind == "PARKED":
             self.metrics.set_parked(_field(words, 1), _field(words, 2))
         elif kind == "EXPERTS":
             self.metrics.expert_pairs(_field(words, 1), _field(words, 2))
+        elif kind == "SPEC":
+            self.metrics.spec_totals([_field(words, k) for k in range(1, len(words))])
 
     def _on_wait(self, job: Job, words: list[str], line: str) -> None:
         job.where = "waiting"

@@ -248,6 +248,10 @@ class Metrics:
                                         ["model_name", "engine", "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:
             self._request_success.labels(model_name, ENGINE_INDEX, reason)
+        self._accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft's position in speculative sequence.",
+                                         ["model_name", "engine", "position"], registry=self.registry)
+        self._spec_seen: list[int] = []  # the running engine's last SPEC totals
         self.registry.register(_StrataCollector(self))
 
     # events from the HTTP layer and the engine
@@ -404,11 +408,24 @@ class Metrics:
             self._vllm[f"{prefix}prefix_cache_queries"].inc(queries)
             self._vllm[f"{prefix}prefix_cache_hits"].inc(hits)
 
-    def spec_decode(self, drafts: int, draft_tokens: int, accepted: int) -> None:
+    def spec_decode(self, drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int] = ()) -> None:
         """Increments since the last call, not running totals."""
         self._vllm["spec_decode_num_drafts"].inc(drafts)
         self._vllm["spec_decode_num_draft_tokens"].inc(draft_tokens)
         self._vllm["spec_decode_num_accepted_tokens"].inc(accepted)
+        for pos, n in enumerate(accepted_per_pos):
+            self._accepted_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos)).inc(n)
+
+    def spec_totals(self, totals: list[int]) -> None:
+        """The engine's SPEC event: running totals (drafts, draft tokens, accepted, accepted per position), counted
+        from the last ones; [] when a new engine process starts, which counts from 0."""
+        with self._lock:
+            last = self._spec_seen if totals and self._spec_seen and self._spec_seen[0] <= totals[0] else []
+            last = last + [0] * (len(totals) - len(last))
+            delta = [now - before for now, before in zip(totals, last)]
+            self._spec_seen = list(totals)
+        if len(delta) >= 3:
+            self.spec_decode(delta[0], delta[1], delta[2], delta[3:])
 
     # views
 

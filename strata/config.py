@@ -23,6 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from strata.draft.config import parse_spec
 from strata.errors import StrataError
 
 _config_file: Path | None = None
@@ -101,6 +102,22 @@ class EngineSettings(StrataSettings):
         None, ge=0, le=64, description="processes that compile the Triton kernels while the weights load, so the "
         "warm-up finds them compiled (default: up to 8, by cores and the GPU memory beside the model; 0: none)"
     )
+    spec: str | None = Field(
+        None, description="draft tokens and verify them in the windows: ngram:K (K tokens looked up in the sequence's "
+        "own text, 1 to 8); greedy requests gain the accepted ones, their output unchanged; needs --lookahead 0 "
+        "(taken by default with --spec); not yet for models with Gated DeltaNet layers"
+    )
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_parses(cls, value: str | None) -> str | None:
+        from strata.draft.config import parse_spec
+
+        try:
+            parse_spec(value)
+        except StrataError as e:
+            raise PydanticCustomError("spec", str(e)) from None
+        return value
 
     @field_validator("park_gb")
     @classmethod
@@ -131,7 +148,7 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    lookahead=self.lookahead)
+                    lookahead=self.lookahead, speculative=parse_spec(self.spec))
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -187,6 +187,12 @@ def experts(on_device: int, on_cpu: int) -> str:
     return f"EXPERTS {on_device} {on_cpu}"
 
 
+def spec_decode(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> str:
+    """Running totals of drafting (`--spec`): drafts (a drafting slot in a window), drafted and accepted tokens,
+    and accepted tokens by draft position."""
+    return f"SPEC {drafts} {draft_tokens} {accepted} " + " ".join(map(str, accepted_per_pos))
+
+
 def err(rid: str | None, code: str, reason: str) -> str:
     """A command that could not be carried out; `rid` the request it named ("-" when none could be read); `code`
     `invalid` (a bad command or request), `full` (the waiting line is full: try again later) or `internal`."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from strata.draft.config import SpeculativeConfig
 from strata.errors import PromptTooLong, StrataError
 from strata.experts.budget import check_expert_budget, set_pool_threads
 from strata.experts.residency import place_experts, residency_by_device
@@ -43,7 +44,7 @@ class Engine:
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
-                 park_gb: float | None = None, lookahead: int | None = None):
+                 park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off)."""
         self.files = files
@@ -58,6 +59,16 @@ class Engine:
         # windows launched ahead of the one the host reads: 1 by default on a GPU,
         # where the host then works while the device computes, 0 on the CPU, where the host computes
         self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
+        self.speculative = speculative  # drafts verified in the windows (`strata.draft`), or None
+        if speculative is not None:
+            if self.spec.gdn_layers():
+                raise StrataError(f"--spec {speculative}: drafts for models with Gated DeltaNet layers ({self.spec.family}) "
+                                  "are not supported yet (a rejected draft must roll their recurrent state back); "
+                                  "leave --spec off for this model")
+            if lookahead == 1:
+                raise StrataError(f"--spec {speculative} needs --lookahead 0: the window after a drafting slot's "
+                                  "depends on how many of its drafts the model accepted")
+            self.lookahead = 0
         self._solo: "Slots | None" = None  # `solo_slots`
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
         if kernels == "auto":

@@ -38,7 +38,7 @@ def exit_with_parent() -> None:
         os._exit(1)
 
 
-_CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "EXPERTS")
+_CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "EXPERTS", "SPEC")
 
 
 class Pipe:

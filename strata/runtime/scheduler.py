@@ -45,6 +45,7 @@ class Scheduler:
         self._pools = [p for stage in engine.stages for p in stage.forward.pools.values()]  # CPU expert pools
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
+        self._spec_said = 0  # the drafts the last SPEC event reported
 
     @property
     def busy(self) -> bool:
@@ -57,7 +58,8 @@ class Scheduler:
                 "batch_groups": len(self.slots.groups), "max_window_tokens": self.slots.budget,
                 "max_waiting": self.max_waiting, "lookahead": self.slots.lookahead, "stages": len(self.engine.stages),
                 "device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch."),
-                "expert_residency": self.engine.expert_residency(), "pid": os.getpid()}
+                "expert_residency": self.engine.expert_residency(), "pid": os.getpid(),
+                "speculative": str(self.engine.speculative) if self.engine.speculative else None}
 
     def handle(self, line: str) -> bool:
         """Carry out one command line; False once the engine should exit. Bad input answers ERR and changes nothing."""
@@ -96,6 +98,7 @@ class Scheduler:
             return
         self._emit_events(events)
         self._report_experts()
+        self._report_spec()
 
     def _fail_running(self, message: str) -> None:
         for index in self.slots.abandon():
@@ -189,6 +192,14 @@ class Scheduler:
         if counts != self._expert_pairs and (now - self._experts_said >= 1.0 or not self.busy):
             self._expert_pairs, self._experts_said = counts, now
             self.emit(protocol.experts(*counts))
+
+    def _report_spec(self) -> None:
+        """Say SPEC (running totals of drafts and accepted tokens) after a window whose slots drafted."""
+        counts = self.slots.spec_counts
+        if counts["drafts"] != self._spec_said:
+            self._spec_said = counts["drafts"]
+            self.emit(protocol.spec_decode(counts["drafts"], counts["draft_tokens"], counts["accepted"],
+                                           self.slots.spec_accepted_per_pos))
 
     def _report_parking(self) -> None:
         """Say PARKED when the parked conversations or their bytes changed (admissions park and unpark them)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.draft.ngram import propose
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
@@ -92,6 +93,7 @@ class SlotWindow:
     logits: torch.Tensor | None = None
     future: Future | None = None  # the pipeline's (pipelined groups): done once every stage has queued its share
     group: int = 0
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # drafting slot -> the tokens drafted after its last
     sampled: torch.Tensor | None = None  # [N] int64 on the last stage's device: each sampler's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
@@ -130,6 +132,11 @@ class Slots:
         self.lookahead = lookahead
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
         self._read_log: deque[tuple[int, int]] = deque(maxlen=4096)  # (decode rows, prompt rows) of windows read
+        self.speculative = engine.speculative  # drafts verified in the windows (`strata.draft`), or None
+        # vLLM's spec_decode counters: windows with drafts (one per drafting slot), drafted and accepted tokens,
+        # and accepted tokens by draft position
+        self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -289,6 +296,8 @@ class Slots:
         else:  # a slot decodes only after the window holding its prompt's last row, which is `latest` or older
             decoding = [i for i in latest.samplers if self.slots[i].active and not self._ends_after_pending(i)]
         left = self.budget - len(decoding)
+        drafts = self._drafts(decoding, left) if latest is None and self.speculative else {}
+        left -= sum(len(d) for d in drafts.values())
         chunks: list[tuple[int, list[int]]] = []
         for i in sorted((i for i in members if self.slots[i].reading), key=lambda i: self.slots[i].admitted):
             if left <= 0:
@@ -301,18 +310,43 @@ class Slots:
             return None
         chunks.sort(key=lambda c: len(c[1]) != 1)  # one-row chunks join the decode rows (`Window.split`)
         unread_left = {i for i, _ in chunks if self.slots[i].unread}  # chunks that are not their prompt's last
-        parts = [(self.slots[i].state, [0 if latest is not None else self.slots[i].next_token], False) for i in decoding]
+        parts = [(self.slots[i].state, [0], False) if latest is not None else
+                 (self.slots[i].state, [self.slots[i].next_token] + drafts[i], "apart") if i in drafts else
+                 (self.slots[i].state, [self.slots[i].next_token], False) for i in decoding]
         parts += [(self.slots[i].state, ids, False if i not in unread_left else None) for i, ids in chunks]
         window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
-        samplers = decoding + [i for i, _ in chunks if i not in unread_left]
+        samplers = [i for i in decoding for _ in range(1 + len(drafts.get(i, ())))]
+        samplers += [i for i, _ in chunks if i not in unread_left]
         members = frozenset(decoding).union(i for i, _ in chunks)
-        sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group)
-        for i in decoding:  # the row's position is the state's now; its token joins `state.tokens` when read
-            self.slots[i].state.length += 1
+        sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group,
+                        drafts=drafts)
+        for i in decoding:  # the rows' positions are the state's now; their tokens join `state.tokens` when read
+            self.slots[i].state.length += 1 + len(drafts.get(i, ()))
         for i, ids in chunks:
             self.slots[i].state.length += len(ids)
             self.slots[i].state.tokens += ids
         return sw
+
+    def _drafts(self, decoding: list[int], room: int) -> dict[int, list[int]]:
+        """Draft tokens for the decoding slots that may draft, within `room` rows of the window: greedy slots
+        without penalties (their acceptance is exact: a draft is kept iff it is the model's own argmax), at most
+        what their max_new and cells leave."""
+        spec, out = self.speculative, {}
+        for i in decoding:
+            slot = self.slots[i]
+            if room <= 0:
+                break
+            if slot.params.temperature > 0 or slot.params.has_penalties:
+                continue
+            k = min(spec.num_speculative_tokens, room, slot.max_new - len(slot.generated) - 1,
+                    slot.state.max_cells - slot.state.length - 2)
+            if k < 1:
+                continue
+            proposal = propose(slot.state.tokens + [slot.next_token], k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            if proposal:
+                out[i] = proposal
+                room -= len(proposal)
+        return out
 
     def _launch(self, group: int) -> None:
         """Launch the group's next window, if it has a row to run (`_build`)."""
@@ -362,9 +396,47 @@ class Slots:
             sw.copied.synchronize()
         for i in sw.decoding:
             self.slots[i].state.tokens.append(self.slots[i].next_token)
-        self._read_log.append((len(sw.decoding), sw.prompt_rows))
+        self._read_log.append((len(sw.decoding) + sum(len(d) for d in sw.drafts.values()), sw.prompt_rows))
         lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
-        return self._record(sw.samplers, sw.host.tolist() if sw.samplers else [], lengths)
+        tokens = sw.host.tolist() if sw.samplers else []
+        if sw.drafts:
+            return self._record(*self._verify(sw, tokens, lengths))
+        return self._record(sw.samplers, tokens, lengths)
+
+    def _verify(self, sw: SlotWindow, tokens: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """A drafting slot's rows sampled a token each: keep its drafts while each equals the token its row before
+        sampled, then that row's own token (so the slot gains 1 + accepted tokens, exactly those decoding without
+        drafts gives); its state keeps the rows of the kept drafts and forgets the others. Returns the samplers,
+        tokens and lengths to record, the rejected rows' left out."""
+        indices, kept, kept_lengths = [], [], []
+        j = 0
+        while j < len(sw.samplers):
+            i = sw.samplers[j]
+            drafted = sw.drafts.get(i)  # a drafting slot's rows are consecutive samplers, its last token's first
+            if not drafted:
+                indices.append(i), kept.append(tokens[j]), kept_lengths.append(lengths[j])
+                j += 1
+                continue
+            accepted = 0
+            while accepted < len(drafted) and drafted[accepted] == tokens[j + accepted]:
+                accepted += 1
+            self._count_spec(len(drafted), accepted)
+            state = self.slots[i].state
+            state.tokens += drafted[:accepted]
+            state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
+            n = accepted + 1
+            indices += [i] * n
+            kept += tokens[j : j + n]
+            kept_lengths += lengths[j : j + n]
+            j += len(drafted) + 1
+        return indices, kept, kept_lengths
+
+    def _count_spec(self, drafted: int, accepted: int) -> None:
+        self.spec_counts["drafts"] += 1
+        self.spec_counts["draft_tokens"] += drafted
+        self.spec_counts["accepted"] += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def _sample(self, indices: list[int], logits: torch.Tensor, params: list[SamplingParams],
                 positions: list[int]) -> torch.Tensor:

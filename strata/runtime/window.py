@@ -70,14 +70,19 @@ class Window:
     def build(cls, parts: list[tuple[SessionState, list[int], bool | None]], device: torch.device,
               fed: int = 0) -> "Window":
         """parts: (state, token ids continuing that state, which rows want logits: True every row, False the last
-        row, None none — a prompt chunk that is not its prompt's last).
+        row, None none — a prompt chunk that is not its prompt's last; "apart": every row, each row a segment of
+        its own — a drafting slot's last token and its drafts, run as decode rows one position after another).
         `fed`: the first so many rows take their tokens from the device (sampled by the window before; `feed`):
         their ids here only count the rows, and `tokens` stays None until the caller feeds them."""
         tokens, positions, segments, logit_rows = [], [], [], []
         row = 0
         for state, ids, all_logits in parts:
             state.reserve(len(ids))
-            segments.append(Segment(state, row, row + len(ids), state.length))
+            if all_logits == "apart":
+                segments += [Segment(state, row + j, row + j + 1, state.length + j) for j in range(len(ids))]
+                all_logits = True
+            else:
+                segments.append(Segment(state, row, row + len(ids), state.length))
             tokens += ids
             positions += range(state.length, state.length + len(ids))
             if all_logits is not None:

@@ -1,0 +1,148 @@
+"""Drafts (`--spec ngram:K`): a drafting slot's last token and its drafted tokens run as decode rows of one window,
+and the slot keeps the drafts the model agrees with. Greedy output equals decoding without drafts, token for
+token, alone and beside other slots' prompt chunks; a rejected draft leaves the state as if it was never drafted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata import protocol
+from strata.draft.config import SpeculativeConfig, parse_spec
+from strata.draft.ngram import propose
+from strata.errors import StrataError
+from strata.model.loader import ModelFiles
+from strata.runtime.generate import Engine
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.scheduler import Scheduler
+from tests.tiny_models import VOCAB, build
+
+NO_STOP = frozenset()
+ATTENTION_CASES = ["llama-gqa-tied", "qwen3_moe-gqa4"]
+
+
+def repetitive(i: int, size: int = 40) -> list[int]:
+    """A prompt that repeats a short phrase with variations: the lookup finds earlier matches, the model agrees
+    with some and not with others."""
+    phrase = [(i * 13 + j * 5 + 1) % VOCAB for j in range(6 + i % 3)]
+    out = []
+    while len(out) < size:
+        out += phrase + [(len(out) * 7 + i) % VOCAB]
+    return out[:size]
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # the longest run found ([2, 3]), the latest place
+    assert propose([5, 6, 7], 2) == []
+    assert propose([1, 2, 1, 3, 1], 2) == [3, 1]  # [1] occurred last at index 2: what followed it there
+    assert propose([4, 4], 3, max_n=4) == [4]
+    assert propose([1, 2, 3, 4], 4) == []  # 4 never occurred before
+    assert propose([7, 8, 9, 1, 8, 9], 4, max_n=1) == [1, 8, 9]  # only the last token looked up
+
+
+@pytest.mark.parametrize("value, words", [
+    ("ngram:0", "between 1 and 8"), ("ngram:9", "between 1 and 8"), ("ngram:x", "whole number"),
+    ("eagle:3", "unknown method 'eagle'"), ("mtp:2", "not implemented yet"),
+])
+def test_bad_spec_values_are_refused_with_what_is_wrong(value, words):
+    with pytest.raises(StrataError, match=words):
+        parse_spec(value)
+    assert parse_spec("ngram:3") == SpeculativeConfig("ngram", 3) and parse_spec(None) is None
+
+
+@pytest.fixture(scope="module", params=ATTENTION_CASES)
+def engines(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param, folder)
+    files = ModelFiles.open(folder)
+    plain = Engine(files, max_cells=256, max_window_tokens=32)
+    drafting = Engine(files, max_cells=256, max_window_tokens=32, speculative=SpeculativeConfig("ngram", 4))
+    return plain, drafting
+
+
+def test_greedy_with_drafts_equals_greedy_without_alone(engines):
+    plain, drafting = engines
+    for i in range(3):
+        ids = repetitive(i)
+        assert drafting.generate(ids, 60, stop_ids=NO_STOP).ids == plain.generate(ids, 60, stop_ids=NO_STOP).ids
+    counts = drafting.solo_slots().spec_counts
+    assert counts["draft_tokens"] > counts["accepted"] > 0, counts  # drafts were kept and rejected both
+    per_pos = drafting.solo_slots().spec_accepted_per_pos
+    assert sum(per_pos) == counts["accepted"] and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_a_rejected_draft_leaves_the_state_as_if_never_drafted(engines):
+    """After the same answer, with drafts (some rejected) and without, the state holds the same tokens and the
+    same K/V cells below its length, bit for bit."""
+    plain, drafting = engines
+    ids = repetitive(5)
+    states = []
+    for engine in (plain, drafting):
+        slots = engine.init_slots(1)
+        slots.admit(0, ids, 45, stop_ids=NO_STOP)
+        while slots.slots[0].active or slots.in_flight:
+            slots.step()
+        states.append(slots.slots[0].state)
+    assert drafting.init_slots(1).spec_counts is not None
+    a, b = states
+    assert a.tokens == b.tokens and a.length == b.length
+    for layer in range(len(a.k)):
+        if a.k[layer] is not None:
+            assert torch.equal(a.k[layer][: a.length], b.k[layer][: b.length])
+            assert torch.equal(a.v[layer][: a.length], b.v[layer][: b.length])
+
+
+def test_drafting_slots_beside_prompt_chunks_give_their_solo_tokens(engines):
+    """Six conversations, some drafting while others' prompts are read in chunks in the same windows (32 rows):
+    each answer equals its solo answer without drafts; no window exceeds the budget; sampled slots do not draft
+    and still repeat their seeded answer."""
+    plain, drafting = engines
+    prompts = [repetitive(i, 20 + 9 * i) for i in range(6)]
+    sampled = SamplingParams(temperature=0.8, seed=7)
+    params = [SamplingParams() if i % 3 else sampled for i in range(6)]
+    solo = [plain.generate(p, 50, params=q, stop_ids=NO_STOP).ids for p, q in zip(prompts, params)]
+    slots = drafting.init_slots(6)
+    before = dict(slots.spec_counts)
+    out: dict[int, list[int]] = {}
+    rows = []
+    for i in range(3):
+        slots.admit(i, prompts[i], 50, params[i], stop_ids=NO_STOP)
+    admitted = 3
+    while slots.active or slots.in_flight or admitted < 6:
+        if admitted < 6 and len(out.get(0, [])) >= 8 * (admitted - 2):  # later prompts arrive mid-answer
+            slots.admit(admitted, prompts[admitted], 50, params[admitted], stop_ids=NO_STOP)
+            admitted += 1
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+        rows += [d + p for d, p in slots.take_read_log()]
+    for i in range(6):
+        assert out[i] == solo[i], f"conversation {i} drifted from its solo run"
+    assert max(rows) <= 32
+    assert slots.spec_counts["accepted"] > before["accepted"]
+
+
+def test_the_scheduler_reports_drafts_in_spec_events(engines):
+    _, drafting = engines
+    lines: list[str] = []
+    scheduler = Scheduler(drafting, 2, lines.append)
+    scheduler.handle(f"ADD a 40 ignore_eos=1 {' '.join(map(str, repetitive(1)))}")
+    while scheduler.busy:
+        scheduler.step()
+    spec = [line for line in lines if line.startswith("SPEC ")]
+    assert spec, lines[-5:]
+    drafts, drafted, accepted, *per_pos = map(int, spec[-1].split()[1:])
+    assert drafted >= accepted == sum(per_pos) and drafts > 0 and len(per_pos) == 4
+    tokens = [int(t) for line in lines if line.startswith("TOK ") for t in line.split()[2::2]]
+    assert len(tokens) == 40
+    assert spec[-1] == protocol.spec_decode(drafts, drafted, accepted, per_pos)
+
+
+def test_spec_refuses_gated_deltanet_models_and_lookahead_one(tmp_path):
+    build("qwen3_next", tmp_path)
+    files = ModelFiles.open(tmp_path)
+    with pytest.raises(StrataError, match="Gated DeltaNet"):
+        Engine(files, max_cells=128, speculative=SpeculativeConfig("ngram", 2))
+    with pytest.raises(StrataError, match="--lookahead 0"):
+        build("llama-mha-untied", tmp_path / "llama")
+        Engine(ModelFiles.open(tmp_path / "llama"), max_cells=128, lookahead=1, speculative=SpeculativeConfig("ngram", 2))
