@@ -73,7 +73,7 @@ class EngineSettings(StrataSettings):
     batch: int = Field(1, ge=1, le=256, description="slots: requests run together, one decoding row each per window")
     max_window_tokens: int | None = Field(
         None, ge=1, description="rows per window (vLLM's max_num_batched_tokens): a row per decoding slot, then prompt "
-        "rows up to this budget; at least --batch; default 512 on a GPU, 256 on the CPU"
+        "rows up to this budget; at least --batch; default 2048 on a GPU, 256 on the CPU"
     )
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot; beyond them: 429")
     kernels: Literal["auto", "torch", "triton"] = Field(

@@ -195,7 +195,7 @@ class Engine:
         return gen
 
 
-DEFAULT_WINDOW_TOKENS = {"cuda": 512, "cpu": 256}
+DEFAULT_WINDOW_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
 def default_window_tokens(device: torch.device) -> int:

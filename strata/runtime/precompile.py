@@ -88,6 +88,8 @@ def _work(job: Job, share: tuple[int, int]) -> None:
     spec = layer_kinds(job.spec)
     device = torch.device(job.device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the process's current card, as the engine's own tensors take it
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     weights = lambda layers, dev, trim: random_stage_weights(spec, layers, dev, job.dtype)  # noqa: E731
     engine = Engine(None, spec=spec, weights=weights, device=device, dtype=job.dtype, max_cells=job.max_cells,
