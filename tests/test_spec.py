@@ -146,3 +146,17 @@ def test_spec_refuses_gated_deltanet_models_and_lookahead_one(tmp_path):
     with pytest.raises(StrataError, match="--lookahead 0"):
         build("llama-mha-untied", tmp_path / "llama")
         Engine(ModelFiles.open(tmp_path / "llama"), max_cells=128, lookahead=1, speculative=SpeculativeConfig("ngram", 2))
+
+
+def test_drafts_on_the_triton_decode_path_give_the_same_tokens(tmp_path):
+    """The Triton decode kernels (here under Triton's interpreter) with a slot's rows at consecutive positions of
+    one sequence in one decode window: each row reads the K/V its rows before wrote in the same launch sequence,
+    so greedy tokens with drafts equal those without."""
+    build("llama-gqa-tied", tmp_path)
+    files = ModelFiles.open(tmp_path)
+    plain = Engine(files, max_cells=128, kernels="triton", cuda_graphs=False)
+    drafting = Engine(files, max_cells=128, kernels="triton", cuda_graphs=False,
+                      speculative=SpeculativeConfig("ngram", 3))
+    ids = repetitive(2, 24)
+    assert drafting.generate(ids, 12, stop_ids=NO_STOP).ids == plain.generate(ids, 12, stop_ids=NO_STOP).ids
+    assert drafting.solo_slots().spec_counts["accepted"] > 0
