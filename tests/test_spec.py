@@ -160,3 +160,19 @@ def test_drafts_on_the_triton_decode_path_give_the_same_tokens(tmp_path):
     ids = repetitive(2, 24)
     assert drafting.generate(ids, 12, stop_ids=NO_STOP).ids == plain.generate(ids, 12, stop_ids=NO_STOP).ids
     assert drafting.solo_slots().spec_counts["accepted"] > 0
+
+
+def test_the_warm_up_covers_the_rows_drafting_slots_add(tmp_path):
+    """With --spec ngram:K the warm-up runs decode windows of up to (1 + K) rows a slot (within the budget), so a
+    window of drafts finds its kernels compiled and its graph captured; the slots are left empty."""
+    from strata.runtime.warmup import warm_up
+
+    build("llama-gqa-tied", tmp_path)
+    engine = Engine(ModelFiles.open(tmp_path), max_cells=64, max_window_tokens=8, kernels="triton", cuda_graphs=False,
+                    speculative=SpeculativeConfig("ngram", 2))
+    slots = engine.init_slots(2)
+    said: list[str] = []
+    warm_up(slots, progress=lambda done, what: said.append(what))
+    decode = [w for w in said if w.startswith("decode window")]
+    assert len(decode) == 6, decode  # 1..6 rows: two slots of 1 + 2 rows
+    assert not slots.active and all(s.state.length == 0 for s in slots.slots)

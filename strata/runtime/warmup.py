@@ -5,7 +5,8 @@ that is or is not 1 or a multiple of 16), and a decode window of a new row count
 on first use. Either costs from milliseconds to seconds, and must not fall on a request's path. So before
 `READY` the engine runs, on its own idle slots:
 
-1. a decode window of every row count a group can hold (1 .. the largest group), which captures its graph;
+1. a decode window of every row count a group can hold (1 .. the largest group; with `--spec` ngram:K up to
+   (1 + K) rows a slot, within the budget), which captures its graph;
 2. prompt windows of the chunk sizes a window can hold (every size up to 64 rows, then every 8th, and the
    budget less each possible count of decoding rows), read one after another so later chunks start past position
    0: besides Triton's specializations, torch's GEMMs load a kernel the first time a row count of theirs comes;
@@ -89,16 +90,19 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
     if engine.kernels != "triton" or slots.in_flight or slots.active:
         return 0.0
     start = time.perf_counter()
-    rows = list(range(1, max(len(g) for g in slots.groups) + 1))
-    sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1), rows[-1])
-    counts = sample_counts(len(slots))
+    largest = max(len(g) for g in slots.groups)
+    drafts = engine.speculative.num_speculative_tokens if engine.speculative else 0
+    rows = list(range(1, min(largest * (1 + drafts), slots.budget) + 1))  # drafting slots add rows of their own
+    sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1), largest)
+    counts = sample_counts(rows[-1])
     rounds = mixed_rounds(slots)
     states = [s.state for s in slots.slots]
     vocab, device = engine.spec.vocab_size, engine.stages[-1].device
     reader = states[0]
 
-    def decode_window(r: int) -> None:  # one graph per row count
-        engine.forward(Window.build([(states[i], [0], False) for i in range(r)], engine.device))
+    def decode_window(r: int) -> None:  # one graph per row count; past one row a slot, a slot's drafted rows
+        per_slot = [r // len(states) + (i < r % len(states)) for i in range(min(r, len(states)))]
+        engine.forward(Window.build([(states[i], [0] * m, "apart") for i, m in enumerate(per_slot)], engine.device))
 
     def prompt_chunk(n: int, run: bool = True) -> None:  # later chunks past position 0
         if reader.length + n >= reader.max_cells:
