@@ -20,15 +20,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str):
+    """`strata serve <args>`; its output goes to `log` (a file path) when given, else to the terminal (nowhere with
+    STRATA_TEST_QUIET set)."""
+
+    def __init__(self, *args: str, log: str | os.PathLike | None = None, startup_s: float = STARTUP_DEADLINE_S):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.devnull, "w") if os.environ.get("STRATA_TEST_QUIET") else None
+        if log is not None:
+            self.log = open(log, "w")
+        else:
+            self.log = open(os.devnull, "w") if os.environ.get("STRATA_TEST_QUIET") else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=self.log, stderr=self.log,
         )
-        self.wait_healthy()
+        self.wait_healthy(startup_s)
 
     def wait_healthy(self, deadline_s: float = STARTUP_DEADLINE_S) -> None:
         deadline = time.monotonic() + deadline_s
