@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model and its `transformers` reference, each loaded once per session."""
+"""Shared fixtures, each made once per session: the embedded default model, its `transformers` reference, and a
+real `strata serve` on it."""
 
 from __future__ import annotations
 
@@ -72,3 +73,14 @@ def default_engine():
     from strata.runtime.generate import Engine
 
     return Engine(ModelFiles.open("default"), max_cells=1024)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One `strata serve --batch 4` on the embedded default, shared by the server's tests (test_server.py,
+    test_reliability.py): a start costs about 10 s on two cores."""
+    from tests.server_process import Server
+
+    srv = Server("--batch", "4")
+    yield srv
+    srv.stop()

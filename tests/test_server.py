@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -13,17 +15,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.load import Answer, Prompt, ask
 from tests.server_process import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--batch", "4")
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +204,7 @@ def test_models_health_version(server):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
-@pytest.mark.parametrize(("body", "status", "words"), [
+BAD_INPUT = [  # (body, status, words in the message): malformed requests and values the server refuses
     ("{not json", 400, "not valid JSON"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
@@ -219,18 +215,7 @@ def test_models_health_version(server):
     ("[" * 100000 + "]" * 100000, 400, "nests too deeply"),
     ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
     ({"model": MODEL, "prompt": [1, 99999999]}, 400, "vocabulary"),
-], ids=lambda v: str(v)[:40])
-def test_bad_input_gets_an_openai_error_and_the_server_carries_on(server, solo_answers, body, status, words):
-    content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}, timeout=60)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    code = "context_length_exceeded" if "context" in words else status  # OpenAI's code where it names the case
-    assert words in error["message"] and error["code"] == code
-    assert error["type"] == ("invalid_request_error" if status == 400 else "NotFoundError")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    assert complete(client, PROMPTS[0]) == solo_answers[0]
-
+]
 
 OUT_OF_RANGE = [  # (field, value): each outside what OpenAI (or vLLM, for its own fields) accepts
     ("top_k", 100000000000000000000), ("top_k", -2), ("temperature", float("inf")), ("temperature", 1e308),
@@ -239,42 +224,81 @@ OUT_OF_RANGE = [  # (field, value): each outside what OpenAI (or vLLM, for its o
     ("repetition_penalty", 1e308), ("presence_penalty", float("-inf")), ("n", True),
 ]
 
-
-def test_unknown_paths_and_methods_answer_in_openai_shape(server):
-    for method, path, status in [("GET", "/v1/nothing", 404), ("DELETE", "/v1/completions", 405),
-                                 ("GET", "/v1/chat/completions", 405)]:
-        r = httpx.request(method, server.url + path, timeout=30)
-        assert r.status_code == status, (method, path, r.text)
-        error = r.json()["error"]
-        assert error["code"] == status and path in error["message"] and set(error) == {"message", "type", "param", "code"}
+UNKNOWN_PATHS = [("GET", "/v1/nothing", 404), ("DELETE", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405)]
 
 
-def test_out_of_range_values_are_refused_at_the_boundary(server, solo_answers):
-    """Every sampling field is checked by the server against what the engine can honour: 400 naming the field,
-    nothing reaches the engine, and the engine (the same process) serves the next request."""
+def openai_error(r: httpx.Response, status: int, row) -> dict:
+    """The error object of a reply that must be `status` in OpenAI's shape."""
+    assert r.status_code == status, (row, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, (row, error)
+    return error
+
+
+def test_bad_input_gets_openai_errors_while_another_users_stream_runs_untouched(server, solo_answers):
+    """Every row of the bad-input tables (malformed bodies, values outside what OpenAI or vLLM accept, unknown paths
+    and methods) gets a 4xx in OpenAI's error shape, `code` OpenAI's string where it names the case, else the
+    status, as vLLM sends it; meanwhile another user's greedy stream runs through the whole table and ends
+    normally with its solo answer, and the engine is never restarted: nothing bad reached it."""
     pid = httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"]
-    for field, value in OUT_OF_RANGE:
-        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value})  # inf/nan as JSON allows
-        r = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
-                       timeout=60)
-        assert r.status_code == 400, (field, value, r.text)
-        error = r.json()["error"]
-        assert error["param"].startswith(field) and field in error["message"], (field, value, error)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    assert complete(client, PROMPTS[0]) == solo_answers[0]
+    other = Prompt("completions", PROMPTS[1], 40)  # 40 tokens alone, no early end: it outlasts the table
+    url = server.url + "/v1/completions"
+
+    async def scenario() -> tuple[Answer, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event()
+            stream = asyncio.create_task(ask(http, server.url, other, True, Answer(1, True), started))
+            await started.wait()
+            for row in BAD_INPUT:
+                body, status, words = row
+                content = body if isinstance(body, str) else json.dumps(body)
+                r = await http.post(url, content=content, headers={"Content-Type": "application/json"})
+                error = openai_error(r, status, row)
+                code = "context_length_exceeded" if "context" in words else status
+                assert words in error["message"] and error["code"] == code, (row, error)
+                assert error["type"] == ("invalid_request_error" if status == 400 else "NotFoundError"), (row, error)
+            for row in OUT_OF_RANGE:
+                field, value = row
+                body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value})  # inf/nan as JSON
+                r = await http.post(url, content=body, headers={"Content-Type": "application/json"})
+                error = openai_error(r, 400, row)
+                assert error["param"].startswith(field) and field in error["message"] and error["code"] == 400, row
+            for row in UNKNOWN_PATHS:
+                method, path, status = row
+                error = openai_error(await http.request(method, server.url + path), status, row)
+                assert error["code"] == status and path in error["message"], (row, error)
+            table_done = time.monotonic()
+            return await stream, table_done
+
+    answer, table_done = asyncio.run(scenario())
+    assert answer.error is None and answer.finish == "length", answer
+    assert answer.text == solo_answers[1]
+    assert answer.end > table_done, "the stream ended before the table did: make it longer"
     assert httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"] == pid  # never restarted
 
 
 def test_the_engine_process_is_restarted_and_in_flight_requests_fail_clearly(server, solo_answers):
+    """The engine killed under a stream and a non-streaming answer: the stream ends with an error event and [DONE],
+    the other answer is 503 (retry) in OpenAI's shape; the engine comes back and answers right."""
     pid = httpx.get(server.url + "/metrics").json()["engine_facts"]["pid"]
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(lines)
-        os.kill(pid, signal.SIGKILL)
-        rest = [line for line in lines if line]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            deadline = time.monotonic() + 30
+            while httpx.get(server.url + "/metrics").json()["requests_running"] < 2:  # both run
+                assert time.monotonic() < deadline, "the non-streaming request never ran"
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        cut = whole.result()
     assert any("engine process exited" in line for line in rest)
     assert rest[-1] == "data: [DONE]"
+    assert cut.status_code == 503, cut.text
+    error = cut.json()["error"]
+    assert error["type"] == "service_unavailable" and "retry" in error["message"] and error["code"] == 503
     server.wait_healthy()
     facts = httpx.get(server.url + "/metrics").json()
     assert facts["engine_facts"]["pid"] != pid and facts["engine_restarts_total"] == 1
@@ -467,17 +491,26 @@ def _gone(pid: int, deadline_s: float) -> bool:
 
 
 def test_sigterm_drains_within_the_grace_and_ends_what_still_runs():
-    """SIGTERM: readiness goes false at once and new requests get 503; a stream still running when
-    --shutdown-grace is over gets an error event saying why, then [DONE]; the server exits and its engine goes
-    with it."""
+    """SIGTERM under two long streams (both slots) and a non-streaming request waiting for a slot: readiness goes
+    false at once; when --shutdown-grace is over each stream gets an error event saying why, then [DONE], and the
+    waiting request 503 (retry); the server exits and its engine goes with it."""
     srv = Server("--batch", "2", "--shutdown-grace", "3")
     engine_pid = httpx.get(srv.url + "/metrics").json()["engine_facts"]["pid"]
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    url = srv.url + "/v1/completions"
     try:
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")  # it runs
+        with contextlib.ExitStack() as streams, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            lines = []
+            for prompt in PROMPTS[1:3]:
+                r = streams.enter_context(httpx.stream("POST", url, json={**body, "prompt": prompt, "stream": True},
+                                                       timeout=60))
+                lines.append(r.iter_lines())
+                assert next(lines[-1]).startswith("data: {")  # it runs
+            waiting = pool.submit(httpx.post, url, json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while httpx.get(srv.url + "/metrics").json()["requests_waiting"] < 1:
+                assert time.monotonic() < deadline, "the third request never reached the waiting line"
+                time.sleep(0.05)
             signalled = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
             try:
@@ -485,11 +518,14 @@ def test_sigterm_drains_within_the_grace_and_ends_what_still_runs():
             except httpx.HTTPError:
                 health = None  # the listening socket may already be closed: either way, not ready
             assert health in (503, None)
-            rest = [line for line in lines if line]
-            ended = time.monotonic() - signalled
-        assert any("shutting down" in line and '"error"' in line for line in rest), rest[-3:]
-        assert rest[-1] == "data: [DONE]"
-        assert 2.5 < ended < 20, ended  # not before the grace, not long after it
+            for stream in lines:
+                rest = [line for line in stream if line]
+                ended = time.monotonic() - signalled
+                assert any("shutting down" in line and '"error"' in line for line in rest), rest[-3:]
+                assert rest[-1] == "data: [DONE]"
+                assert 2.5 < ended < 20, ended  # not before the grace, not long after it
+            cut = waiting.result()
+        assert cut.status_code == 503 and "shutting down" in cut.json()["error"]["message"], cut.text
         assert srv.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it handled
         assert _gone(engine_pid, 15), "the engine outlived its server"
     finally:
