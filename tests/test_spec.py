@@ -57,7 +57,9 @@ def engines(request, tmp_path_factory):
     build(request.param, folder)
     files = ModelFiles.open(folder)
     plain = Engine(files, max_cells=256, max_window_tokens=32)
-    drafting = Engine(files, max_cells=256, max_window_tokens=32, speculative=SpeculativeConfig("ngram", 4))
+    # one-token lookups too, so that drafts are rejected as well as kept
+    drafting = Engine(files, max_cells=256, max_window_tokens=32,
+                      speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
     return plain, drafting
 
 

@@ -19,7 +19,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2  # a lone repeated token is weak evidence: most such drafts are rejected
 
     def __str__(self) -> str:
         return f"{self.method}:{self.num_speculative_tokens}"

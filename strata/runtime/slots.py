@@ -59,6 +59,7 @@ class Slot:
     generated: list[int] = field(default_factory=list)
     seen_prompt: torch.Tensor | None = None  # [V] bool, only with penalties
     counts: torch.Tensor | None = None  # [V] int32 counts of generated tokens, only with penalties
+    draft_len: int = 0  # drafts it may propose next (`--spec`): one more than it had accepted last time
     admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
     released: int = 0  # when it last went idle (`_order`)
 
@@ -188,6 +189,7 @@ class Slots:
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
         slot.params, slot.max_new, slot.num_prompt = params, max_new, len(prompt_ids)
         slot.generated = []
+        slot.draft_len = self.speculative.num_speculative_tokens if self.speculative else 0
         slot.seen_prompt = slot.counts = None
         if params.has_penalties:
             vocab, device = self.engine.spec.vocab_size, self.engine.stages[-1].device
@@ -330,7 +332,8 @@ class Slots:
     def _drafts(self, decoding: list[int], room: int) -> dict[int, list[int]]:
         """Draft tokens for the decoding slots that may draft, within `room` rows of the window: greedy slots
         without penalties (their acceptance is exact: a draft is kept iff it is the model's own argmax), at most
-        what their max_new and cells leave."""
+        what their max_new and cells leave, and one more than the slot's last accepted count (a slot whose text
+        stopped repeating drafts one token a window, which costs little, until the lookup is right again)."""
         spec, out = self.speculative, {}
         for i in decoding:
             slot = self.slots[i]
@@ -338,7 +341,7 @@ class Slots:
                 break
             if slot.params.temperature > 0 or slot.params.has_penalties:
                 continue
-            k = min(spec.num_speculative_tokens, room, slot.max_new - len(slot.generated) - 1,
+            k = min(slot.draft_len, room, slot.max_new - len(slot.generated) - 1,
                     slot.state.max_cells - slot.state.length - 2)
             if k < 1:
                 continue
@@ -421,6 +424,7 @@ class Slots:
             while accepted < len(drafted) and drafted[accepted] == tokens[j + accepted]:
                 accepted += 1
             self._count_spec(len(drafted), accepted)
+            self.slots[i].draft_len = min(self.speculative.num_speculative_tokens, accepted + 1)
             state = self.slots[i].state
             state.tokens += drafted[:accepted]
             state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
