@@ -45,7 +45,7 @@ def decode(engine, prompts: list[list[int]], tokens: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from strata.draft.config import parse_spec
+    from strata.runtime.drafts import parse_spec
     from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine
 

@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from strata.draft.config import parse_spec
+from strata.runtime.drafts import parse_spec
 from strata.errors import StrataError
 
 _config_file: Path | None = None
@@ -111,7 +111,7 @@ class EngineSettings(StrataSettings):
     @field_validator("spec")
     @classmethod
     def _spec_parses(cls, value: str | None) -> str | None:
-        from strata.draft.config import parse_spec
+        from strata.runtime.drafts import parse_spec
 
         try:
             parse_spec(value)

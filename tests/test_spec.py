@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from strata import protocol
-from strata.draft.config import SpeculativeConfig, parse_spec
-from strata.draft.ngram import propose
+from strata.runtime.drafts import SpeculativeConfig, parse_spec
+from strata.runtime.drafts import propose
 from strata.errors import StrataError
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from strata.draft.config import SpeculativeConfig
+from strata.runtime.drafts import SpeculativeConfig
 from strata.errors import PromptTooLong, StrataError
 from strata.experts.budget import check_expert_budget, set_pool_threads
 from strata.experts.residency import place_experts, residency_by_device
@@ -59,7 +59,7 @@ class Engine:
         # windows launched ahead of the one the host reads: 1 by default on a GPU,
         # where the host then works while the device computes, 0 on the CPU, where the host computes
         self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
-        self.speculative = speculative  # drafts verified in the windows (`strata.draft`), or None
+        self.speculative = speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
         if speculative is not None:
             if self.spec.gdn_layers():
                 raise StrataError(f"--spec {speculative}: drafts for models with Gated DeltaNet layers ({self.spec.family}) "

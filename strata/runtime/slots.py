@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.draft.ngram import propose
+from strata.runtime.drafts import propose
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
@@ -133,7 +133,7 @@ class Slots:
         self.lookahead = lookahead
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
         self._read_log: deque[tuple[int, int]] = deque(maxlen=4096)  # (decode rows, prompt rows) of windows read
-        self.speculative = engine.speculative  # drafts verified in the windows (`strata.draft`), or None
+        self.speculative = engine.speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
         # vLLM's spec_decode counters: windows with drafts (one per drafting slot), drafted and accepted tokens,
         # and accepted tokens by draft position
         self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
