@@ -16,6 +16,7 @@ from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.scheduler import Scheduler
 from tests.tiny_models import VOCAB, build
+from strata.runtime.slots import Slots
 
 NO_STOP = frozenset()
 ATTENTION_CASES = ["llama-gqa-tied", "qwen3_moe-gqa4"]
@@ -97,12 +98,14 @@ def test_a_rejected_draft_leaves_the_state_as_if_never_drafted(engines):
 
 def test_drafting_slots_beside_prompt_chunks_give_their_solo_tokens(engines):
     """Five conversations, some drafting while others' prompts are read in chunks in the same windows (32 rows):
-    each answer equals its solo answer without drafts; no window exceeds the budget; sampled slots do not draft
-    and still repeat their seeded answer."""
+    each answer equals its solo answer without drafts, greedy, sampled and with penalties (a sampled row keeps a
+    draft iff its seeded pick is the draft, so a seeded answer is the one without drafts); no window exceeds the
+    budget."""
     plain, drafting = engines
     prompts = [repetitive(i, 20 + 9 * i) for i in range(5)]
-    sampled = SamplingParams(temperature=0.8, seed=7)
-    params = [SamplingParams() if i % 3 else sampled for i in range(5)]
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(), SamplingParams(),
+              SamplingParams(temperature=0.6, top_k=5, seed=3, frequency_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0.3, seed=11)]
     solo = [plain.generate(p, 30, params=q, stop_ids=NO_STOP).ids for p, q in zip(prompts, params)]
     slots = drafting.init_slots(5)
     before = dict(slots.spec_counts)
@@ -178,3 +181,75 @@ def test_the_warm_up_covers_the_rows_drafting_slots_add(tmp_path):
     decode = [w for w in said if w.startswith("decode window")]
     assert len(decode) == 6, decode  # 1..6 rows: two slots of 1 + 2 rows
     assert not slots.active and all(s.state.length == 0 for s in slots.slots)
+
+
+def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The distribution a sampled row draws from: softmax(logits / T) over the top_k tokens (ties to the lowest id)."""
+    x = logits.double() / temperature
+    keep = torch.sort(x, descending=True, stable=True).indices[:top_k]
+    probs = torch.zeros_like(x)
+    probs[keep] = torch.softmax(x[keep], dim=-1)
+    return probs
+
+
+def _chi_square_sf(observed: list[int], expected: list[float]) -> tuple[float, int, float]:
+    """Pearson's statistic over the bins expecting 5 or more (the rest pooled into one), its degrees of freedom and
+    the probability of a statistic at least as large if the samples follow `expected`."""
+    big = [(o, e) for o, e in zip(observed, expected) if e >= 5]
+    rest = (sum(observed) - sum(o for o, _ in big), sum(expected) - sum(e for _, e in big))
+    bins = big + ([rest] if rest[1] >= 1 else [])
+    stat = sum((o - e) ** 2 / e for o, e in bins)
+    dof = len(bins) - 1
+    sf = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    return stat, dof, float(sf)
+
+
+@pytest.mark.parametrize("engines", ["llama-gqa-tied"], indirect=True)
+def test_sampled_rows_with_drafts_follow_the_models_distribution(engines):
+    """Speculative sampling with n-gram drafts, checked against the model itself: 1,200 seeded answers of 3 tokens
+    (temperature 1.5, top_k 3: 27 possible answers) with drafts. The first token comes from the prompt's window,
+    the second and third from windows where drafts were proposed, kept and rejected; the answers' counts match
+    the probabilities the model's logits give each answer (chi-square), and a seeded answer is the one decoding
+    without drafts gives."""
+    plain, drafting = engines
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9, 22, 5, 9]
+    temperature, top_k, n = 1.5, 3, 1200
+
+    def answers(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
+        slots: Slots = engine.init_slots(16)
+        out: list[tuple[int, ...]] = []
+        for first in range(seeds.start, seeds.stop, 16):
+            got: dict[int, list[int]] = {}
+            for i, seed in enumerate(range(first, min(first + 16, seeds.stop))):
+                slots.admit(i, prompt, 3, SamplingParams(temperature=temperature, top_k=top_k, seed=seed),
+                            stop_ids=NO_STOP)
+            while slots.active or slots.in_flight:
+                for e in slots.step():
+                    got.setdefault(e.slot, []).append(e.token)
+            out += [tuple(got[i]) for i in sorted(got)]
+        if engine is drafting:
+            counts = slots.spec_counts
+            assert counts["draft_tokens"] > counts["accepted"] > n // 8, counts  # kept and rejected both
+        return out
+
+    with_drafts = answers(drafting, range(n))
+    assert with_drafts[:320] == answers(plain, range(320))
+
+    # each answer's probability from the model's logits, read one sequence at a time
+    def dist(ids: list[int]) -> torch.Tensor:
+        return _filtered_probs(plain.run(plain.new_state(), ids)[-1], temperature, top_k)
+
+    expected: dict[tuple[int, ...], float] = {}
+    p1 = dist(prompt)
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            p3 = dist(prompt + [t1, t2])
+            for t3 in p3.nonzero().flatten().tolist():
+                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3]) * n
+    assert set(with_drafts) <= set(expected)
+    keys = sorted(expected)
+    observed = [with_drafts.count(k) for k in keys]
+    stat, dof, sf = _chi_square_sf(observed, [expected[k] for k in keys])
+    print(f"chi-square {stat:.1f} over {dof} degrees of freedom: p = {sf:.3f}")
+    assert dof >= 10 and sf > 1e-3, (stat, dof, sf)

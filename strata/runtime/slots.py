@@ -330,17 +330,15 @@ class Slots:
         return sw
 
     def _drafts(self, decoding: list[int], room: int) -> dict[int, list[int]]:
-        """Draft tokens for the decoding slots that may draft, within `room` rows of the window: greedy slots
-        without penalties (their acceptance is exact: a draft is kept iff it is the model's own argmax), at most
-        what their max_new and cells leave, and one more than the slot's last accepted count (a slot whose text
-        stopped repeating drafts one token a window, which costs little, until the lookup is right again)."""
+        """Draft tokens for the decoding slots, within `room` rows of the window: at most what their max_new and
+        cells leave, and one more than the slot's last accepted count (a slot whose text stopped repeating drafts
+        one token a window, which costs little, until the lookup is right again). Greedy and sampled slots alike:
+        `_verify` keeps a draft iff it is the token its row picked (docs/BATCHING.md, drafts)."""
         spec, out = self.speculative, {}
         for i in decoding:
             slot = self.slots[i]
             if room <= 0:
                 break
-            if slot.params.temperature > 0 or slot.params.has_penalties:
-                continue
             k = min(slot.draft_len, room, slot.max_new - len(slot.generated) - 1,
                     slot.state.max_cells - slot.state.length - 2)
             if k < 1:
@@ -383,7 +381,8 @@ class Slots:
         device; in its worker for pipelined groups)."""
         sw.logits = logits
         positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
-        sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions)
+        sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions,
+                                  sw.drafts)
         sw.host, sw.copied = host_copy(sw.sampled)
 
     def _ends_after_pending(self, index: int) -> bool:
@@ -407,10 +406,13 @@ class Slots:
         return self._record(sw.samplers, tokens, lengths)
 
     def _verify(self, sw: SlotWindow, tokens: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """A drafting slot's rows sampled a token each: keep its drafts while each equals the token its row before
-        sampled, then that row's own token (so the slot gains 1 + accepted tokens, exactly those decoding without
-        drafts gives); its state keeps the rows of the kept drafts and forgets the others. Returns the samplers,
-        tokens and lengths to record, the rejected rows' left out."""
+        """A drafting slot's rows picked a token each (argmax, or sampled with the random number of (seed,
+        position)): keep its drafts while each equals the token its row before picked, then that row's own token,
+        so the slot gains 1 + accepted tokens, exactly those decoding without drafts gives. For a sampled row this
+        is speculative sampling with a draft of probability one: a draft d is kept with probability p(d), and a
+        rejected row's pick is distributed as p without d, renormalised. Its state keeps the rows of the kept
+        drafts and forgets the others; its penalty counts gain the kept tokens. Returns the samplers, tokens and
+        lengths to record, the rejected rows' left out."""
         indices, kept, kept_lengths = [], [], []
         j = 0
         while j < len(sw.samplers):
@@ -425,10 +427,13 @@ class Slots:
                 accepted += 1
             self._count_spec(len(drafted), accepted)
             self.slots[i].draft_len = min(self.speculative.num_speculative_tokens, accepted + 1)
-            state = self.slots[i].state
-            state.tokens += drafted[:accepted]
-            state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
+            slot = self.slots[i]
+            slot.state.tokens += drafted[:accepted]
+            slot.state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
             n = accepted + 1
+            if slot.counts is not None:
+                kept_ids = row_tensor(tokens[j : j + n], torch.int64, slot.counts.device)
+                slot.counts.index_add_(0, kept_ids, torch.ones(n, dtype=torch.int32, device=slot.counts.device))
             indices += [i] * n
             kept += tokens[j : j + n]
             kept_lengths += lengths[j : j + n]
@@ -443,21 +448,34 @@ class Slots:
             self.spec_accepted_per_pos[pos] += 1
 
     def _sample(self, indices: list[int], logits: torch.Tensor, params: list[SamplingParams],
-                positions: list[int]) -> torch.Tensor:
-        """Each row's next token, on the device (no host sync); the penalty counts of its slot count it."""
+                positions: list[int], drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
+        """Each row's next token, on the device (no host sync); the penalty counts of its slot count it. A drafting
+        slot's rows (`drafts`: slot -> its drafts; its rows are consecutive, its last token's first) each count the
+        drafts before them as generated, as the row would decoding without drafts; `_verify` adds the kept tokens."""
         if not indices:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
+        drafts = drafts or {}
         slots = [self.slots[i] for i in indices]
         seen = counts = None
         if any(p.has_penalties for p in params):
-            vocab = logits.shape[-1]
-            none_b = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            none_c = torch.zeros(vocab, dtype=torch.int32, device=logits.device)
+            vocab, device = logits.shape[-1], logits.device
+            none_b = torch.zeros(vocab, dtype=torch.bool, device=device)
+            none_c = torch.zeros(vocab, dtype=torch.int32, device=device)
             seen = torch.stack([s.seen_prompt if s.seen_prompt is not None else none_b for s in slots])
-            counts = torch.stack([s.counts if s.counts is not None else none_c for s in slots])
+            rows, j = [], 0
+            while j < len(indices):
+                s, drafted = slots[j], drafts.get(indices[j], [])
+                base = s.counts if s.counts is not None else none_c
+                rows.append(base)
+                for o in range(len(drafted)):  # row o + 1 follows drafts[:o + 1]
+                    base = base.clone()
+                    base[drafted[o]] += 1
+                    rows.append(base)
+                j += 1 + len(drafted)
+            counts = torch.stack(rows)
         tokens = sample(logits, params, positions, seen, counts)
-        for j, s in enumerate(slots):
-            if s.counts is not None:
+        for j, (i, s) in enumerate(zip(indices, slots)):
+            if s.counts is not None and i not in drafts:
                 s.counts.index_add_(0, tokens[j : j + 1], torch.ones(1, dtype=torch.int32, device=tokens.device))
         return tokens
 
