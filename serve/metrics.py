@@ -266,6 +266,12 @@ class Metrics:
         plain = (str, int, float, bool, list, dict, type(None))
         with self._lock:
             self._engine_facts = {str(k): v if isinstance(v, plain) else str(v) for k, v in facts.items()}
+        # as vLLM does, a drafting engine's per-position series start at 0: a series first scraped at n would hide
+        # its first n accepted tokens from rate() (`speculative` is "ngram:K", None without drafts)
+        speculative = str(facts.get("speculative") or "")
+        count = speculative.rpartition(":")[2]
+        for pos in range(int(count) if count.isdigit() else 0):
+            self._accepted_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos))
 
     def queued(self, rec: RequestRecord) -> None:
         with self._lock:

@@ -37,10 +37,9 @@ ROUTER_METRICS = {"vllm:current_qps", "vllm:healthy_pods_total", "router_cpu_usa
 NOT_YET_EXPORTED: set[str] = set()
 # NVML's utilisation per GPU: no series on a machine without a GPU (CI), checked where there is one.
 GPU_ONLY = {"strata:gpu_util", "strata:gpu_memory_used_bytes", "strata:gpu_memory_total_bytes"}
-# Ratios whose denominator is legitimately zero here, so they answer NaN (the series must still be there):
+# Ratios whose denominator is legitimately zero here, so they answer NaN (the series must still be there);
+# not the drafts': the live server drafts (`--spec ngram:2`), so theirs must answer numbers.
 ZERO_DENOMINATORS = {
-    "vllm:spec_decode_num_draft_tokens_total",  # Strata does no speculative decoding yet: no drafts
-    "vllm:spec_decode_num_drafts_total",
     "vllm:prefix_cache_queries_total",  # the server never reports prefix-cache lookups (Metrics.prefix_cache)
     "vllm:gpu_prefix_cache_queries_total",
 }
@@ -114,6 +113,10 @@ def test_dashboards_show_what_the_issue_lists():
     for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "slots_in_use", "slots_total",
                  "parked_conversations", "pipeline_groups"):
         assert f"strata:{name}" in engine, name
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total"):
+        assert f"vllm:{name}" in engine, name  # draft acceptance: rate, tokens per draft, by position
+    assert "by (model_name, position)" in engine
 
 
 def test_peer_dashboards_are_there():
@@ -187,11 +190,13 @@ def scrape_identity() -> tuple[str, dict[str, str]]:
 
 
 def send_requests(url: str) -> int:
-    """Chat and completions, streamed and not, two at a time (the server has two batch slots)."""
+    """Chat and completions, streamed and not, two at a time (the server has two batch slots); the last one's text
+    repeats, so that its slot drafts (`--spec ngram:2`) and keeps drafts."""
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}
     completion = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    repeating = {"prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "max_tokens": 8, "temperature": 0}
     requests = [("/v1/chat/completions", chat, False), ("/v1/completions", completion, True),
-                ("/v1/chat/completions", chat, True), ("/v1/completions", completion, False)]
+                ("/v1/chat/completions", chat, True), ("/v1/completions", repeating, False)]
     errors = []
 
     def one(path, body, stream):
@@ -222,7 +227,8 @@ def send_requests(url: str) -> int:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     job, labels = scrape_identity()
-    server = Server("--batch", "2", "--max-cells", "256")
+    # drafts on, so the draft acceptance panels have series to read (greedy answers are the same with them)
+    server = Server("--batch", "2", "--max-cells", "256", "--spec", "ngram:2")
     prometheus = None
     try:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -233,8 +239,9 @@ def live(tmp_path_factory):
         num_requests = send_requests(server.url)
         prometheus.wait(lambda: sum(float(s["value"][1]) for s in prometheus.vector(
             f'vllm:request_success_total{{job="{job}"}}')) >= num_requests and all(
-            float(s["value"][1]) == 0 for s in prometheus.vector(f'vllm:num_requests_running{{job="{job}"}}')),
-            "Prometheus to scrape every finished request")
+            float(s["value"][1]) == 0 for s in prometheus.vector(f'vllm:num_requests_running{{job="{job}"}}'))
+            and prometheus.vector(f'vllm:spec_decode_num_accepted_tokens_total{{job="{job}"}} > 0'),
+            "Prometheus to scrape every finished request, and accepted drafts")
         yield prometheus, model, job, labels
     finally:
         if prometheus is not None:
@@ -279,6 +286,28 @@ def test_every_panel_query_of_strata_and_vllm_dashboards_returns_data(live):
                 problems.append(problem)
     assert checked >= 60
     assert not problems, "\n".join(problems)
+
+
+def test_draft_acceptance_panels_agree_with_each_other(live):
+    """The engine dashboard's draft panels on the live drafts, at one instant: a rate in (0, 1], and the positions'
+    shares add up to the accepted tokens per draft (so each position's series counted its first drafts too)."""
+    prometheus, model, _, _ = live
+    board = queries(CHART / "dashboards" / "strata-engine.json")
+    at = time.time()
+
+    def values(title: str, start: str = "") -> list[float]:
+        (expr,) = [e for t, e in board if t == title and e.startswith(start)]
+        reply = httpx.get(prometheus.url + "/api/v1/query", params={"query": substitute(expr, model), "time": at},
+                          timeout=10).json()
+        assert reply["status"] == "success", (expr, reply)
+        return [float(s["value"][1]) for s in reply["data"]["result"]]
+
+    (rate,) = values("Draft acceptance rate")
+    (per_draft,) = values("Accepted tokens per draft", "sum")
+    (per_window,) = values("Accepted tokens per draft", "1 + ")
+    by_position = values("Draft acceptance by position")
+    assert 0 < rate <= 1 and 0 < per_draft <= 2 and per_window == pytest.approx(1 + per_draft)
+    assert len(by_position) == 2 and sum(by_position) == pytest.approx(per_draft), by_position
 
 
 def test_model_name_variables_list_the_served_model(live):
