@@ -15,7 +15,7 @@ from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.scheduler import Scheduler
-from tests.tiny_models import VOCAB, build
+from tests.tiny_models import VOCAB, add_mtp_layer, build
 from strata.runtime.slots import Slots
 
 NO_STOP = frozenset()
@@ -44,7 +44,7 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
 
 @pytest.mark.parametrize("value, words", [
     ("ngram:0", "between 1 and 8"), ("ngram:9", "between 1 and 8"), ("ngram:x", "whole number"),
-    ("eagle:3", "unknown method 'eagle'"), ("mtp:2", "not implemented yet"),
+    ("eagle:3", "unknown method .eagle."), ("mtp:x", "whole number"),
 ])
 def test_bad_spec_values_are_refused_with_what_is_wrong(value, words):
     with pytest.raises(StrataError, match=words):
@@ -253,3 +253,102 @@ def test_sampled_rows_with_drafts_follow_the_models_distribution(engines):
     stat, dof, sf = _chi_square_sf(observed, [expected[k] for k in keys])
     print(f"chi-square {stat:.1f} over {dof} degrees of freedom: p = {sf:.3f}")
     assert dof >= 10 and sf > 1e-3, (stat, dof, sf)
+
+
+# MTP drafts (`--spec mtp:K`): the checkpoint's multi-token-prediction layer, chained K times
+
+
+class ReferenceMTP(torch.nn.Module):
+    """The MTP layer written with `transformers`' own Llama pieces, over whole sequences: row t reads the model's
+    final hidden state at t and the token at t + 1, [norm(embed) | norm(hidden)] -> fc -> a Llama decoder layer
+    (causal over the rows, rotary at position t) -> norm -> the tied head over the draft vocabulary."""
+
+    def __init__(self, model, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        from transformers.models.llama import modeling_llama as m
+
+        cfg = model.config
+        cfg._attn_implementation = "eager"
+        self.model, self.vocab = model, tensors.get("mtp.draft_vocab")
+        self.layer = m.LlamaDecoderLayer(cfg, layer_idx=0)
+        self.layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in tensors.items() if k.startswith("mtp.layers.0.")})
+        self.rotary = m.LlamaRotaryEmbedding(cfg)
+        self.norms = {name: m.LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for name in
+                      ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+        for name, norm in self.norms.items():
+            norm.weight.data = tensors[f"mtp.{name}.weight"].clone()
+        self.fc = tensors["mtp.fc.weight"]
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H], next_ids [T] (the token after each row) -> (normed outputs [T, H], draft ids [T])."""
+        e = self.norms["pre_fc_norm_embedding"](self.model.model.embed_tokens(next_ids))
+        x = torch.nn.functional.linear(torch.cat([e, self.norms["pre_fc_norm_hidden"](hidden)], -1), self.fc)[None]
+        t = x.shape[1]
+        positions = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = self.layer(x, attention_mask=mask, position_ids=positions, position_embeddings=self.rotary(x, positions))
+        out = self.norms["norm"](out[0] if isinstance(out, tuple) else out)[0]
+        head = self.model.lm_head.weight if self.vocab is None else self.model.lm_head.weight[self.vocab]
+        picks = (out @ head.T).argmax(-1)
+        return out, picks if self.vocab is None else self.vocab[picks]
+
+    def drafts(self, ids: list[int], k: int) -> list[int]:
+        """The k chained drafts after `ids` (its last token is the next to decode)."""
+        seq = torch.tensor(ids)
+        hidden = self.model(seq[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+        h, nxt = hidden[:-1], seq[1:]
+        out, picks = self(h, nxt)
+        drafts = [int(picks[-1])]
+        for _ in range(k - 1):  # a chained row: the previous step's output and draft, one position on
+            h = torch.cat([h, out[-1:]])
+            nxt = torch.cat([nxt, torch.tensor([drafts[-1]])])
+            out, picks = self(h, nxt)
+            drafts.append(int(picks[-1]))
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-mtp")
+    model = build("llama-gqa-tied", folder)
+    tensors = add_mtp_layer(folder, model, draft_vocab=list(range(0, VOCAB, 2)) + [1, 3, 5])
+    return folder, model, tensors
+
+
+def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp_model):
+    """Two conversations with MTP drafts (K=2 every window), prompts read in chunks of 8 rows beside the other's
+    decoding: every window's drafts equal `transformers`' decoder layer run over the whole sequence and chained
+    (so the MTP cells made window by window, across prompt chunks and after rejections, are right), and the
+    greedy answers equal those without drafts."""
+    folder, model, tensors = mtp_model
+    files = ModelFiles.open(folder)
+    plain = Engine(files, max_cells=128)
+    engine = Engine(files, max_cells=128, max_window_tokens=8,
+                    speculative=SpeculativeConfig("mtp", 2, adaptive=False))
+    reference = ReferenceMTP(model.eval(), tensors)
+    prompts = [repetitive(3, 19), repetitive(4, 11)]
+    slots = engine.init_slots(2)
+    seen: list[tuple[list[int], list[int]]] = []
+    out: dict[int, list[int]] = {}
+    slots.admit(0, prompts[0], 12, stop_ids=NO_STOP)
+    slots.admit(1, prompts[1], 12, stop_ids=NO_STOP)
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+        seen += [(s.state.tokens + [s.next_token], list(s.mtp_drafts)) for s in slots.slots if s.active and s.mtp_drafts]
+    for i, p in enumerate(prompts):
+        assert out[i] == plain.generate(p, 12, stop_ids=NO_STOP).ids
+    assert len(seen) >= 12 and any(len(d) == 2 for _, d in seen)
+    for ids, drafts in seen:
+        assert drafts == reference.drafts(ids, len(drafts)), f"after {len(ids)} tokens"
+    assert slots.spec_counts["drafts"] >= 10
+
+
+def test_mtp_refusals_name_what_is_wrong(tmp_path):
+    build("llama-mha-untied", tmp_path)
+    files = ModelFiles.open(tmp_path)
+    with pytest.raises(StrataError, match="no multi-token-prediction weights"):
+        Engine(files, max_cells=64, speculative=SpeculativeConfig("mtp", 2))
+    with pytest.raises(StrataError, match="torch kernels"):
+        Engine(files, max_cells=64, kernels="triton", cuda_graphs=False, speculative=SpeculativeConfig("mtp", 2))

@@ -79,3 +79,28 @@ def add_mtp_weights(folder: Path, hidden: int, num_layers: int = 1) -> list[str]
         data["weight_map"].update({k: "mtp.safetensors" for k in tensors})
         index.write_text(json.dumps(data))
     return sorted(tensors)
+
+
+def add_mtp_layer(folder: Path, model, draft_vocab: list[int] | None = None, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Append a whole multi-token-prediction layer (the Qwen3-Next layout over a Llama model's layer kind: norms,
+    fc, one decoder layer with a dense MLP) as a separate shard, random but for the decoder layer, copied from the
+    model's last; `draft_vocab`: the ids its head scores (`mtp.draft_vocab`). Returns the tensors written."""
+    torch.manual_seed(seed)
+    cfg = model.config
+    hidden = cfg.hidden_size
+    last = {k.split(f"layers.{cfg.num_hidden_layers - 1}.", 1)[1]: v.detach().clone()
+            for k, v in model.state_dict().items() if f"layers.{cfg.num_hidden_layers - 1}." in k}
+    tensors = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * hidden**-0.5,
+               "mtp.norm.weight": 1 + 0.1 * torch.randn(hidden),
+               "mtp.pre_fc_norm_embedding.weight": 1 + 0.1 * torch.randn(hidden),
+               "mtp.pre_fc_norm_hidden.weight": 1 + 0.1 * torch.randn(hidden)}
+    tensors |= {f"mtp.layers.0.{k}": v + 0.02 * torch.randn_like(v) for k, v in last.items()}
+    if draft_vocab is not None:
+        tensors["mtp.draft_vocab"] = torch.tensor(sorted(draft_vocab), dtype=torch.int64)
+    save_file(tensors, str(folder / "mtp.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+        index.write_text(json.dumps(data))
+    return tensors

@@ -29,6 +29,19 @@ def default_model_path() -> Path:
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
+DEFAULT_MTP_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-mtp.safetensors"
+
+
+def mtp_head_for(path: Path) -> Path | None:
+    """A multi-token-prediction head shipped with Strata for a checkpoint that has none: the embedded default's
+    (trained by `train/mtp_head.py`); None for any other checkpoint."""
+    try:
+        default = default_model_path()
+    except CheckpointError:
+        return None
+    return DEFAULT_MTP_HEAD if Path(path).resolve() == default.resolve() and DEFAULT_MTP_HEAD.exists() else None
+
+
 def resolve_model_path(model: str | Path) -> Path:
     return default_model_path() if str(model) == "default" else Path(model)
 

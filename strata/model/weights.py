@@ -220,10 +220,46 @@ def load_stage_weights(
             weights.lm_head = weights.embed
         else:
             weights.lm_head = r.get("lm_head.weight", embed_shape)
-        weights.mtp = {n: r.get(n) for n in sorted(r.names) if n.startswith("mtp.")}
+        weights.mtp = {n: r.get(n, dtype=torch.int64 if n == "mtp.draft_vocab" else None)
+                       for n in sorted(r.names) if n.startswith("mtp.")}
         if not first and spec.tie_embeddings:
             weights.embed = None  # the last stage keeps only the head
     return weights
+
+
+def mtp_tensors(raw: Tensors, family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                source: str) -> Tensors:
+    """The first multi-token-prediction layer (`mtp.*`, the Qwen3-Next layout) in neutral, compute-ready names:
+    pre_embed_norm, pre_hidden_norm [hidden], fc [hidden, 2*hidden] (input: [norm(embedding) | norm(hidden)]),
+    a decoder layer of the model's full-attention kind (attn_norm, mlp_norm, qkv, o, ..., and a dense or MoE MLP,
+    whichever its tensors are), final_norm [hidden], and draft_vocab [N] int64 when the head scores only those
+    tokens (a Strata extension; absent: the whole vocabulary). `source` names where `raw` came from in errors."""
+    from strata.model.checkpoint import StateDictCheckpoint
+
+    r = _Reader(StateDictCheckpoint({}, raw, source), device, dtype)
+    off, hidden, p = family.norm_offset, spec.hidden_size, "mtp.layers.0."
+    w = {"pre_embed_norm": r.norm("mtp.pre_fc_norm_embedding.weight", hidden, off),
+         "pre_hidden_norm": r.norm("mtp.pre_fc_norm_hidden.weight", hidden, off),
+         "fc": r.get("mtp.fc.weight", (hidden, 2 * hidden)),
+         "final_norm": r.norm("mtp.norm.weight", hidden, off),
+         "attn_norm": r.norm(f"{p}input_layernorm.weight", hidden, off),
+         "mlp_norm": r.norm(f"{p}post_attention_layernorm.weight", hidden, off)}
+    w |= _attention(r, f"{p}self_attn.", spec, off)
+    kind = "moe" if r.has(f"{p}mlp.gate.weight") else "dense"
+    if kind == "moe" and spec.moe is None or kind == "dense" and not r.has(f"{p}mlp.gate_proj.weight"):
+        raise CheckpointError(f"{source}: the MTP layer has neither a dense MLP ({p}mlp.gate_proj.weight) nor "
+                              f"one of this model's MoE blocks ({p}mlp.gate.weight)")
+    if kind == "dense":
+        dim = raw[f"{p}mlp.gate_proj.weight"].shape[0]
+        w["gate_up"], w["down"] = _swiglu(r, f"{p}mlp.", hidden, dim)
+    else:
+        w |= _mlp(r, f"{p}mlp.", spec, "moe")
+    if r.has("mtp.draft_vocab"):
+        vocab = r.get("mtp.draft_vocab", dtype=torch.int64)
+        if vocab.ndim != 1 or not len(vocab) or int(vocab.min()) < 0 or int(vocab.max()) >= spec.vocab_size:
+            raise CheckpointError(f"{source}: mtp.draft_vocab must list token ids in 0..{spec.vocab_size - 1}")
+        w["draft_vocab"] = vocab
+    return w
 
 
 def count_mtp_layers(names: list[str]) -> int:

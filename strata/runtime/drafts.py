@@ -24,10 +24,11 @@ class SpeculativeConfig:
     per slot and window, at most), `prompt_lookup_max` / `prompt_lookup_min` (the longest and shortest run of last
     tokens looked up)."""
 
-    method: str
+    method: str  # "ngram" or "mtp" (the checkpoint's multi-token-prediction layer, chained)
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2  # a lone repeated token is weak evidence: most such drafts are rejected
+    adaptive: bool = True  # draft one more token than the slot's drafts had accepted last time (False: always K)
 
     def __str__(self) -> str:
         return f"{self.method}:{self.num_speculative_tokens}"
@@ -48,9 +49,6 @@ def parse_spec(value: str | None) -> SpeculativeConfig | None:
         raise StrataError(f"K must be a whole number of drafted tokens, as in {method}:3") from None
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise StrataError(f"K must be between 1 and {MAX_SPECULATIVE_TOKENS}")
-    if method == "mtp":
-        raise StrataError(f"drafts from the checkpoint's MTP layer are not implemented yet; "
-                          f"use ngram:{k}")
     return SpeculativeConfig(method, k)
 
 

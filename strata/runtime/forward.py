@@ -34,6 +34,9 @@ class Forward:
         self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
         self.scale = a.head_dim**-0.5
         self.fast = None
+        self.mtp: Tensors | None = None  # the multi-token-prediction layer (`set_mtp`), on the last stage
+        self.hidden: torch.Tensor | None = None  # with `mtp`: the last window's final hidden states, every row
+        self._hidden_parts: list[torch.Tensor] = []
         self.pools = stage_pools(weights.offloaded, spec.moe.num_experts) if weights.offloaded else {}  # CPU experts
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
@@ -109,6 +112,46 @@ class Forward:
     def __call__(self, window: Window) -> torch.Tensor:
         return self.run_stage(window)
 
+    def set_mtp(self, weights: Tensors) -> None:
+        """Draft with this multi-token-prediction layer (`strata.model.weights.mtp_tensors`): from now on each window
+        keeps its rows' final hidden states (`hidden`) for `run_mtp`. Its head scores the draft vocabulary's rows of
+        the LM head (all of them without one)."""
+        self.mtp = dict(weights)
+        vocab = self.mtp.get("draft_vocab")
+        self.mtp["head"] = self.weights.lm_head if vocab is None else self.weights.lm_head[vocab.to(self.device)].contiguous()
+
+    def run_mtp(self, hidden: torch.Tensor, tokens: torch.Tensor, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over rows (hidden state h_t, the token x_t+1) at positions t, one segment per sequence (its
+        K/V cells: layer `spec.num_layers` of the pool): [norm(embed(x)) | norm(h)] -> fc -> a decoder layer of the
+        model's full-attention kind -> norm. Returns those normed outputs [R, hidden] (the next step's h) and the
+        draft ids [N] of the window's logit rows (the argmax over the draft vocabulary)."""
+        w, eps = self.mtp, self.spec.rms_eps
+        e = rms_norm(F.embedding(tokens, self.weights.embed), w["pre_embed_norm"], eps)
+        g = rms_norm(hidden, w["pre_hidden_norm"], eps)
+        x = F.linear(torch.cat([e, g], dim=-1), w["fc"])
+        positions = window.positions.to(self.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
+        attend, self.attend = self.attend, attention  # the reference kernels: any shape of segments, no graphs
+        try:
+            x = x + self._attention(self.spec.num_layers, w, rms_norm(x, w["attn_norm"], eps), window, turn, plain,
+                                    positions)
+        finally:
+            self.attend = attend
+        h = rms_norm(x, w["mlp_norm"], eps)
+        if "gate_up" in w:
+            x = x + swiglu(h, w["gate_up"], w["down"])
+        else:
+            m = self.spec.moe
+            shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
+            x = x + _finished(moe(h, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk,
+                                  shared, w.get("shared_gate"), plain))
+        out = rms_norm(x, w["final_norm"], eps)
+        rows = window.logit_rows.to(self.device)
+        picks = F.linear(out[rows], w["head"]).argmax(dim=-1)
+        vocab = w.get("draft_vocab")
+        return out, picks if vocab is None else vocab.to(self.device)[picks]
+
     def run_stage(self, window: Window, x: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's share of a window: from the tokens (first stage, x None) or the previous stage's hidden
         states x [R, hidden], to the next hidden states, or to the logits on the last stage.
@@ -117,14 +160,19 @@ class Forward:
         exactly as a decode window of their own (row-invariant; a CUDA graph on the GPU), so a decoding row's
         logits are bitwise the same whether or not prompt rows share its window; the prompt rows on the prompt
         kernels. The weights are read once per part."""
+        self._hidden_parts = []
         parts = window.split()
         if parts is None:
-            return self._run_part(window, x)
-        decode, prompt = parts
-        r = decode.num_rows
-        first = self._run_part(decode, None if x is None else x[:r])
-        rest = self._run_part(prompt, None if x is None else x[r:])
-        return torch.cat([first, rest])  # hidden states in row order, or logits in logit-row order
+            out = self._run_part(window, x)
+        else:
+            decode, prompt = parts
+            r = decode.num_rows
+            first = self._run_part(decode, None if x is None else x[:r])
+            rest = self._run_part(prompt, None if x is None else x[r:])
+            out = torch.cat([first, rest])  # hidden states in row order, or logits in logit-row order
+        if self.mtp is not None:
+            self.hidden = _joined(self._hidden_parts)
+        return out
 
     def _run_part(self, window: Window, x: torch.Tensor | None = None) -> torch.Tensor:
         if self.fast is not None and window.is_decode and window.pool is not None:
@@ -136,6 +184,8 @@ class Forward:
             return out
         x = self.embed(window.tokens.to(self.device)) if x is None else x
         x = self.layers(x, window)
+        if self.mtp is not None:  # every row's final hidden state, for the MTP layer's rows
+            self._hidden_parts.append(rms_norm(x, self.weights.final_norm, self.spec.rms_eps))
         return self.head(x, window) if self.weights.final_norm is not None else x
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows,

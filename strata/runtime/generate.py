@@ -94,11 +94,40 @@ class Engine:
             stages.append(Stage(k, layers, stage_device, w, Forward(self.spec, w, stage_device, dtype, kernels, graphs),
                                 ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))
         self.pipeline = Pipeline(stages)
+        self.mtp = speculative is not None and speculative.method == "mtp"  # MTP drafts: its K/V cells in the pools
+        if self.mtp:
+            self._set_up_mtp(stages[-1])
         self.layer_devices = {i: s.device for s in stages for i in s.layers}
         first, last = stages[0].weights, stages[-1].weights
         self.weights = first if len(stages) == 1 else StageWeights(
             layers={i: t for s in stages for i, t in s.weights.layers.items()},
             embed=first.embed, final_norm=last.final_norm, lm_head=last.lm_head, mtp=last.mtp)
+
+    def _set_up_mtp(self, last: Stage) -> None:
+        """`--spec mtp:K`: the last stage drafts with the checkpoint's MTP layer, or the head Strata ships for it."""
+        from strata.model.loader import mtp_head_for
+        from strata.model.weights import mtp_tensors
+
+        flag = f"--spec {self.speculative}"
+        if self.batch_groups > 1:
+            raise StrataError(f"{flag} runs with one batch group: leave --batch-groups at 1, or use ngram drafts")
+        if self.kernels != "torch":
+            raise StrataError(f"{flag}: MTP drafts run on the torch kernels for now (--kernels torch); on a GPU "
+                              "use --spec ngram:K")
+        if self.files is None:
+            raise StrataError(f"{flag}: MTP drafts need a checkpoint (its mtp.* tensors)")
+        raw, source = last.weights.mtp, str(self.files.checkpoint.path)
+        if not raw and (head := mtp_head_for(self.files.checkpoint.path)) is not None:
+            from safetensors.torch import load_file
+
+            raw, source = load_file(str(head)), str(head)
+        if not raw:
+            raise StrataError(f"{flag}: {source} has no multi-token-prediction weights (mtp.* tensors) and Strata "
+                              "ships no MTP head for it; use --spec ngram:K")
+        tensors = mtp_tensors(raw, self.files.family, self.spec, last.device, self.dtype, source)
+        if last.weights.embed is None:
+            raise StrataError(f"{flag}: the last stage holds no token embedding to feed the MTP layer")
+        last.forward.set_mtp(tensors)
 
     @property
     def stages(self) -> list[Stage]:
@@ -124,12 +153,11 @@ class Engine:
         return Slots(self, num_slots, groups, lookahead)
 
     def new_state(self) -> SessionState:
-        return SessionState.standalone(self.spec, range(self.spec.num_layers), self.max_cells, self.device, self.dtype,
-                                       self.layer_devices)
+        return SessionState(self.new_pool(1), 0)
 
     def new_pool(self, num_seqs: int) -> StatePool:
         return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype,
-                         self.layer_devices)
+                         self.layer_devices, mtp=self.mtp)
 
     def reuse(self, state: SessionState, prompt_ids: list[int], idle: list[SessionState] = ()) -> int:
         """Before reading `prompt_ids` into `state`: keep the longest reusable prefix of it that `state`, an `idle`

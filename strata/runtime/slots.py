@@ -40,7 +40,7 @@ from strata.errors import StrataError
 from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
 from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.window import Window, host_copy, row_tensor
+from strata.runtime.window import Segment, Window, host_copy, row_tensor
 from strata.state.session import SessionState
 
 _order = itertools.count(1)  # admissions and releases, in the order they happened
@@ -60,6 +60,7 @@ class Slot:
     seen_prompt: torch.Tensor | None = None  # [V] bool, only with penalties
     counts: torch.Tensor | None = None  # [V] int32 counts of generated tokens, only with penalties
     draft_len: int = 0  # drafts it may propose next (`--spec`): one more than it had accepted last time
+    mtp_drafts: list[int] = field(default_factory=list)  # what the MTP layer drafted after its last window
     admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
     released: int = 0  # when it last went idle (`_order`)
 
@@ -95,6 +96,8 @@ class SlotWindow:
     future: Future | None = None  # the pipeline's (pipelined groups): done once every stage has queued its share
     group: int = 0
     drafts: dict[int, list[int]] = field(default_factory=dict)  # drafting slot -> the tokens drafted after its last
+    spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # slot -> (first row, rows, first position)
+    hidden: torch.Tensor | None = None  # with MTP drafts: every row's final hidden state
     sampled: torch.Tensor | None = None  # [N] int64 on the last stage's device: each sampler's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
@@ -138,6 +141,7 @@ class Slots:
         # and accepted tokens by draft position
         self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
+        self.mtp = engine.stages[-1].forward if engine.mtp else None  # the last stage, which runs the MTP layer
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -198,6 +202,12 @@ class Slots:
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
         others = [s.state for j, s in enumerate(self.slots) if not s.active and j not in busy] + list(idle)
         slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
+        slot.mtp_drafts = []
+        if self.mtp is not None and slot.num_reused:
+            # the MTP cell of the last reused position pairs its hidden state with the token after it: read that
+            # position again, so the cell is made with this prompt's next token
+            slot.num_reused -= 1
+            slot.state.truncate(slot.num_reused)
         slot.unread = list(prompt_ids[slot.num_reused :])
         slot.active, slot.admitted = True, next(_order)
         return slot.num_reused
@@ -320,8 +330,15 @@ class Slots:
         samplers = [i for i in decoding for _ in range(1 + len(drafts.get(i, ())))]
         samplers += [i for i, _ in chunks if i not in unread_left]
         members = frozenset(decoding).union(i for i, _ in chunks)
+        spans, row = {}, 0
+        for i in decoding:
+            spans[i] = (row, 1 + len(drafts.get(i, ())), self.slots[i].state.length)
+            row += spans[i][1]
+        for i, ids in chunks:
+            spans[i] = (row, len(ids), self.slots[i].state.length)
+            row += len(ids)
         sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group,
-                        drafts=drafts)
+                        drafts=drafts, spans=spans)
         for i in decoding:  # the rows' positions are the state's now; their tokens join `state.tokens` when read
             self.slots[i].state.length += 1 + len(drafts.get(i, ()))
         for i, ids in chunks:
@@ -343,7 +360,11 @@ class Slots:
                     slot.state.max_cells - slot.state.length - 2)
             if k < 1:
                 continue
-            proposal = propose(slot.state.tokens + [slot.next_token], k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            if self.mtp is not None:
+                proposal = slot.mtp_drafts[:k]
+            else:
+                proposal = propose(slot.state.tokens + [slot.next_token], k, spec.prompt_lookup_max,
+                                   spec.prompt_lookup_min)
             if proposal:
                 out[i] = proposal
                 room -= len(proposal)
@@ -380,6 +401,8 @@ class Slots:
         """Sample each sampler's next token on the device and start its copy to the host (on the last stage's
         device; in its worker for pipelined groups)."""
         sw.logits = logits
+        if self.mtp is not None:
+            sw.hidden = self.mtp.hidden
         positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
         sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions,
                                   sw.drafts)
@@ -401,9 +424,10 @@ class Slots:
         self._read_log.append((len(sw.decoding) + sum(len(d) for d in sw.drafts.values()), sw.prompt_rows))
         lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
         tokens = sw.host.tolist() if sw.samplers else []
-        if sw.drafts:
-            return self._record(*self._verify(sw, tokens, lengths))
-        return self._record(sw.samplers, tokens, lengths)
+        kept = self._verify(sw, tokens, lengths) if sw.drafts else (sw.samplers, tokens, lengths)
+        if self.mtp is not None:
+            self._run_mtp(sw, kept[0], kept[1])
+        return self._record(*kept)
 
     def _verify(self, sw: SlotWindow, tokens: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
         """A drafting slot's rows picked a token each (argmax, or sampled with the random number of (seed,
@@ -426,7 +450,8 @@ class Slots:
             while accepted < len(drafted) and drafted[accepted] == tokens[j + accepted]:
                 accepted += 1
             self._count_spec(len(drafted), accepted)
-            self.slots[i].draft_len = min(self.speculative.num_speculative_tokens, accepted + 1)
+            if self.speculative.adaptive:
+                self.slots[i].draft_len = min(self.speculative.num_speculative_tokens, accepted + 1)
             slot = self.slots[i]
             slot.state.tokens += drafted[:accepted]
             slot.state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
@@ -439,6 +464,62 @@ class Slots:
             kept_lengths += lengths[j : j + n]
             j += len(drafted) + 1
         return indices, kept, kept_lengths
+
+    def _run_mtp(self, sw: SlotWindow, indices: list[int], tokens: list[int]) -> None:
+        """After a window is verified: the MTP layer reads each of its slots' kept rows t (the row's final hidden
+        state and the token at t + 1: the prompt's next, a kept draft, or the token sampled), which makes their MTP
+        cells; then each slot that decodes next chains it `draft_len` times from its last row for its next drafts.
+        A chained row's cell lies past the kept rows and is made again once the position is read."""
+        following = dict(zip(indices, tokens))  # a sampling slot's last kept token (the next it decodes)
+        for i in sw.spans:
+            self.slots[i].mtp_drafts = []
+        rows, inputs, segments, logit_rows, chains = [], [], [], [], []
+        for i, (start, n, first_pos) in sw.spans.items():
+            slot = self.slots[i]
+            if i in following:
+                n = slot.state.length - first_pos  # its kept rows (the verified drafts among them)
+                after = following[i]
+            elif slot.unread:
+                after = slot.unread[0]  # a prompt chunk that is not its prompt's last
+            else:
+                continue  # stopped while its prompt was read: it keeps no state worth drafting from
+            r = len(rows)
+            rows += range(start, start + n)
+            inputs += slot.state.tokens[first_pos + 1 : first_pos + n] + [after]
+            segments.append(Segment(slot.state, r, r + n, first_pos))
+            if i in following and slot.active and slot.draft_len:
+                logit_rows.append(r + n - 1)
+                chains.append(i)
+        if not rows:
+            return
+        device = self.mtp.device
+        window = self._mtp_window(segments, logit_rows)
+        out, picks = self.mtp.run_mtp(sw.hidden[row_tensor(rows, torch.int64, device)],
+                                      row_tensor(inputs, torch.int64, device), window)
+        drafts = {i: [p] for i, p in zip(chains, picks.tolist())}
+        last = dict(zip(chains, out[window.logit_rows]))  # each chain's latest normed MTP output: its next h
+        for step in range(1, max((self.slots[i].draft_len for i in chains), default=0)):
+            chains = [i for i in chains if self.slots[i].draft_len > step
+                      and self.slots[i].state.length + step < self.slots[i].state.max_cells]
+            if not chains:
+                break
+            window = self._mtp_window([Segment(self.slots[i].state, j, j + 1, self.slots[i].state.length + step - 1)
+                                       for j, i in enumerate(chains)], list(range(len(chains))))
+            out, picks = self.mtp.run_mtp(torch.stack([last[i] for i in chains]),
+                                          row_tensor([drafts[i][-1] for i in chains], torch.int64, device), window)
+            for j, (i, p) in enumerate(zip(chains, picks.tolist())):
+                drafts[i].append(p)
+                last[i] = out[j]
+        for i, d in drafts.items():
+            self.slots[i].mtp_drafts = d
+
+    def _mtp_window(self, segments: list[Segment], logit_rows: list[int]) -> Window:
+        """A window over MTP rows: `segments` of consecutive positions, their cells in the slots' pool."""
+        device = self.mtp.device
+        positions = [s.first_pos + j for s in segments for j in range(s.num_rows)]
+        as_tensor = lambda xs, dtype=torch.int64: row_tensor(xs, dtype, device)  # noqa: E731
+        return Window(None, as_tensor(positions), segments, as_tensor(logit_rows), self.pool,
+                      as_tensor([s.state.index for s in segments], torch.int32))
 
     def _count_spec(self, drafted: int, accepted: int) -> None:
         self.spec_counts["drafts"] += 1

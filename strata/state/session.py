@@ -15,14 +15,20 @@ from strata.model.spec import ModelSpec
 
 class StatePool:
     def __init__(self, spec: ModelSpec, layers: range, num_seqs: int, max_cells: int, device: torch.device,
-                 dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None):
-        """`layer_devices`: where each layer's state lives (its stage's device); default `device` for all."""
+                 dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None, mtp: bool = False):
+        """`layer_devices`: where each layer's state lives (its stage's device); default `device` for all. `mtp`:
+        also the K/V cells of the multi-token-prediction layer (drafts, `--spec mtp:K`), as layer
+        `spec.num_layers`, beside the last layer: they are copied, parked and restored with the others."""
         self.layers, self.num_seqs, self.max_cells = layers, num_seqs, max_cells
         at = lambda i: (layer_devices or {}).get(i, device)  # noqa: E731
         att = spec.attention
         kv_shape = (num_seqs, max_cells, att.num_kv_heads, att.head_dim)
         self.k = {i: torch.zeros(kv_shape, device=at(i), dtype=dtype) for i in spec.attention_layers(layers)}
         self.v = {i: torch.zeros(kv_shape, device=at(i), dtype=dtype) for i in spec.attention_layers(layers)}
+        if mtp and layers.stop == spec.num_layers:
+            last = spec.num_layers
+            self.k[last] = torch.zeros(kv_shape, device=at(last - 1), dtype=dtype)
+            self.v[last] = torch.zeros(kv_shape, device=at(last - 1), dtype=dtype)
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         if spec.gdn is not None:
