@@ -19,7 +19,9 @@ from tests.tiny_models import VOCAB, add_mtp_layer, build
 from strata.runtime.slots import Slots
 
 NO_STOP = frozenset()
-ATTENTION_CASES = ["llama-gqa-tied", "qwen3_moe-gqa4"]
+# qwen3_next-dense: rejections inside Gated DeltaNet layers (dense MLPs: on the CPU a row's MoE output may round
+# differently by where the row sits among the rows sharing its expert, which would blur the bitwise state check)
+CASES = ["llama-gqa-tied", "qwen3_moe-gqa4", "qwen3_next-dense"]
 
 
 def repetitive(i: int, size: int = 40) -> list[int]:
@@ -52,10 +54,13 @@ def test_bad_spec_values_are_refused_with_what_is_wrong(value, words):
     assert parse_spec("ngram:3") == SpeculativeConfig("ngram", 3) and parse_spec(None) is None
 
 
-@pytest.fixture(scope="module", params=ATTENTION_CASES)
+@pytest.fixture(scope="module", params=CASES)
 def engines(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    build(request.param, folder)
+    if request.param == "qwen3_next-dense":
+        build("qwen3_next", folder, mlp_only_layers=[0, 1, 2, 3])
+    else:
+        build(request.param, folder)
     files = ModelFiles.open(folder)
     plain = Engine(files, max_cells=256, max_window_tokens=32)
     # one-token lookups too, so that drafts are rejected as well as kept
@@ -90,10 +95,12 @@ def test_a_rejected_draft_leaves_the_state_as_if_never_drafted(engines):
     assert drafting.init_slots(1).spec_counts is not None
     a, b = states
     assert a.tokens == b.tokens and a.length == b.length
-    for layer in range(len(a.k)):
-        if a.k[layer] is not None:
-            assert torch.equal(a.k[layer][: a.length], b.k[layer][: b.length])
-            assert torch.equal(a.v[layer][: a.length], b.v[layer][: b.length])
+    for layer in a.k:
+        assert torch.equal(a.k[layer][: a.length], b.k[layer][: b.length])
+        assert torch.equal(a.v[layer][: a.length], b.v[layer][: b.length])
+    for layer in a.conv:  # Gated DeltaNet layers: rolled back to the state after the last kept row
+        assert torch.equal(a.conv[layer], b.conv[layer]) and torch.equal(a.recurrent[layer], b.recurrent[layer])
+    assert b.kept == {}
 
 
 def test_drafting_slots_beside_prompt_chunks_give_their_solo_tokens(engines):
@@ -124,7 +131,7 @@ def test_drafting_slots_beside_prompt_chunks_give_their_solo_tokens(engines):
     for i in range(5):
         assert out[i] == solo[i], f"conversation {i} drifted from its solo run"
     assert max(rows) <= 32
-    assert slots.spec_counts["accepted"] > before["accepted"]
+    assert slots.spec_counts["draft_tokens"] > before["draft_tokens"], (slots.spec_counts, before)
 
 
 def test_the_scheduler_reports_drafts_in_spec_events(engines):
@@ -143,11 +150,11 @@ def test_the_scheduler_reports_drafts_in_spec_events(engines):
     assert spec[-1] == protocol.spec_decode(drafts, drafted, accepted, per_pos)
 
 
-def test_spec_refuses_gated_deltanet_models_and_lookahead_one(tmp_path):
+def test_spec_refuses_gated_deltanet_models_on_triton_and_lookahead_one(tmp_path):
     build("qwen3_next", tmp_path)
     files = ModelFiles.open(tmp_path)
-    with pytest.raises(StrataError, match="Gated DeltaNet"):
-        Engine(files, max_cells=128, speculative=SpeculativeConfig("ngram", 2))
+    with pytest.raises(StrataError, match="Gated DeltaNet.*torch kernels"):
+        Engine(files, max_cells=128, kernels="triton", cuda_graphs=False, speculative=SpeculativeConfig("ngram", 2))
     with pytest.raises(StrataError, match="--lookahead 0"):
         build("llama-mha-untied", tmp_path / "llama")
         Engine(ModelFiles.open(tmp_path / "llama"), max_cells=128, lookahead=1, speculative=SpeculativeConfig("ngram", 2))

@@ -235,6 +235,8 @@ class Forward:
                 rule = prompt_gdn[1]  # any n, 1 included
             seg_out, new_state = rule(q, k, v, decay[seg_rows], beta[seg_rows], state.recurrent[i])
             state.recurrent[i].copy_(new_state)
+            if seg.keep:  # a drafted row: a rejection returns the state to this one
+                state.keep(seg.first_pos, i)
             outs.append(seg_out)
         out = self.gated_norm(_joined(outs), z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
         return rows(F.linear, out.reshape(r, -1), w["out"])

@@ -61,10 +61,6 @@ class Engine:
         self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
         self.speculative = speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
         if speculative is not None:
-            if self.spec.gdn_layers():
-                raise StrataError(f"--spec {speculative}: drafts for models with Gated DeltaNet layers ({self.spec.family}) "
-                                  "are not supported yet (a rejected draft must roll their recurrent state back); "
-                                  "leave --spec off for this model")
             if lookahead == 1:
                 raise StrataError(f"--spec {speculative} needs --lookahead 0: the window after a drafting slot's "
                                   "depends on how many of its drafts the model accepted")
@@ -74,6 +70,10 @@ class Engine:
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
+        if speculative is not None and self.spec.gdn_layers() and kernels != "torch":
+            raise StrataError(f"--spec {speculative}: drafts for models with Gated DeltaNet layers "
+                              f"({self.spec.family}) run on the torch kernels for now (--kernels torch), which "
+                              "keep the recurrent state after each drafted row for a rollback")
         plan = plan_stages(self.spec, layer_split, self.device, split_device, batch_groups)
         if weights is not None and not callable(weights) and len(plan) > 1:
             raise StrataError("a layer split needs a checkpoint (or a weights factory) to load each stage from")

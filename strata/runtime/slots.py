@@ -203,7 +203,7 @@ class Slots:
         others = [s.state for j, s in enumerate(self.slots) if not s.active and j not in busy] + list(idle)
         slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
         slot.mtp_drafts = []
-        if self.mtp is not None and slot.num_reused:
+        if self.mtp is not None and slot.num_reused and not slot.state.conv:  # (a GDN state is kept whole)
             # the MTP cell of the last reused position pairs its hidden state with the token after it: read that
             # position again, so the cell is made with this prompt's next token
             slot.num_reused -= 1
@@ -454,7 +454,7 @@ class Slots:
                 self.slots[i].draft_len = min(self.speculative.num_speculative_tokens, accepted + 1)
             slot = self.slots[i]
             slot.state.tokens += drafted[:accepted]
-            slot.state.length = lengths[j] + accepted  # the rows of the rejected drafts are forgotten
+            slot.state.rollback(lengths[j] + accepted)  # the rows of the rejected drafts are forgotten
             n = accepted + 1
             if slot.counts is not None:
                 kept_ids = row_tensor(tokens[j : j + n], torch.int64, slot.counts.device)

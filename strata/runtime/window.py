@@ -39,6 +39,7 @@ class Segment:
     start: int
     stop: int
     first_pos: int
+    keep: bool = False  # a drafted row: keep the Gated DeltaNet states after it (`SessionState.kept`), for a rollback
 
     @property
     def num_rows(self) -> int:
@@ -79,7 +80,9 @@ class Window:
         for state, ids, all_logits in parts:
             state.reserve(len(ids))
             if all_logits == "apart":
-                segments += [Segment(state, row + j, row + j + 1, state.length + j) for j in range(len(ids))]
+                segments += [Segment(state, row + j, row + j + 1, state.length + j, keep=bool(state.conv))
+                             for j in range(len(ids))]
+                state.kept.clear()
                 all_logits = True
             else:
                 segments.append(Segment(state, row, row + len(ids), state.length))

@@ -62,6 +62,8 @@ class SessionState:
         self.v = {i: t[index] for i, t in pool.v.items()}
         self.conv = {i: t[index] for i, t in pool.conv.items()}  # [K-1, C]
         self.recurrent = {i: t[index] for i, t in pool.recurrent.items()}  # [Hv, Dk, Dv] float32
+        # with drafts: the GDN states after each drafted row of the window in flight, by position (`rollback`)
+        self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @classmethod
     def standalone(cls, spec: ModelSpec, layers: range, max_cells: int, device: torch.device,
@@ -95,6 +97,21 @@ class SessionState:
         if self.conv:
             raise ValueError(f"a GDN state cannot be cut from {self.length} to {length} positions")
         self.length, self.tokens = length, self.tokens[:length]
+
+    def keep(self, position: int, layer: int) -> None:
+        """Keep a copy of a GDN layer's conv and recurrent state as they are after `position` (a drafted row)."""
+        self.kept.setdefault(position, {})[layer] = (self.conv[layer].clone(), self.recurrent[layer].clone())
+
+    @torch.inference_mode()
+    def rollback(self, length: int) -> None:
+        """After a window of drafted rows: keep its first `length` positions, the rows past them rejected. The K/V
+        cells past `length` are never read; the GDN states return to those kept after position length - 1."""
+        if self.conv and length != self.length:
+            for layer, (conv, recurrent) in self.kept[length - 1].items():
+                self.conv[layer].copy_(conv)
+                self.recurrent[layer].copy_(recurrent)
+        self.kept.clear()
+        self.length = length
 
     @torch.inference_mode()
     def copy_from(self, other: "SessionState", length: int | None = None) -> None:
