@@ -266,21 +266,23 @@ def test_sampled_rows_with_drafts_follow_the_models_distribution(engines):
 
 
 class ReferenceMTP(torch.nn.Module):
-    """The MTP layer written with `transformers`' own Llama pieces, over whole sequences: row t reads the model's
-    final hidden state at t and the token at t + 1, [norm(embed) | norm(hidden)] -> fc -> a Llama decoder layer
-    (causal over the rows, rotary at position t) -> norm -> the tied head over the draft vocabulary."""
+    """The MTP layer written with `transformers`' own pieces of the model's family, over whole sequences: row t reads
+    the model's final hidden state at t and the token at t + 1, [norm(embed) | norm(hidden)] -> fc -> the family's
+    full-attention decoder layer (causal over the rows, rotary at position t) -> norm -> the head over the draft
+    vocabulary."""
 
     def __init__(self, model, tensors: dict[str, torch.Tensor]):
         super().__init__()
-        from transformers.models.llama import modeling_llama as m
-
         cfg = model.config
         cfg._attn_implementation = "eager"
+        inner = model.model
+        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        index = max(i for i, kind in enumerate(kinds) if kind == "full_attention")
         self.model, self.vocab = model, tensors.get("mtp.draft_vocab")
-        self.layer = m.LlamaDecoderLayer(cfg, layer_idx=0)
+        self.layer = type(inner.layers[index])(cfg, layer_idx=index)
         self.layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in tensors.items() if k.startswith("mtp.layers.0.")})
-        self.rotary = m.LlamaRotaryEmbedding(cfg)
-        self.norms = {name: m.LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for name in
+        self.rotary = type(inner.rotary_emb)(cfg)
+        self.norms = {name: type(inner.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps) for name in
                       ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
         for name, norm in self.norms.items():
             norm.weight.data = tensors[f"mtp.{name}.weight"].clone()
@@ -315,10 +317,13 @@ class ReferenceMTP(torch.nn.Module):
         return drafts
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama-mtp")
-    model = build("llama-gqa-tied", folder)
+@pytest.fixture(scope="module", params=CASES)
+def mtp_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"{request.param}-mtp")
+    if request.param == "qwen3_next-dense":  # the Qwen3-Next layout, its drafts rolled back in the GDN layers
+        model = build("qwen3_next", folder, mlp_only_layers=[0, 1, 2, 3])
+    else:
+        model = build(request.param, folder)
     tensors = add_mtp_layer(folder, model, draft_vocab=list(range(0, VOCAB, 2)) + [1, 3, 5])
     return folder, model, tensors
 
