@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from strata.runtime.drafts import parse_spec
+from strata.runtime.drafts import DEFAULT_SPEC_MAX_ACTIVE, parse_spec
 from strata.errors import StrataError
 
 _config_file: Path | None = None
@@ -104,8 +104,14 @@ class EngineSettings(StrataSettings):
     )
     spec: str | None = Field(
         None, description="draft tokens and verify them in the windows: ngram:K (K tokens looked up in the sequence's "
-        "own text, 1 to 8); greedy requests gain the accepted ones, their output unchanged; needs --lookahead 0 "
-        "(taken by default with --spec); not yet for models with Gated DeltaNet layers"
+        "own text, 1 to 8) or mtp:K (the checkpoint's multi-token-prediction layer, chained); answers gain the "
+        "accepted ones, unchanged; needs --lookahead 0 (taken by default with --spec); mtp and Gated DeltaNet "
+        "models on --kernels torch for now"
+    )
+    spec_max_active: int = Field(
+        DEFAULT_SPEC_MAX_ACTIVE, ge=0, description="with --spec: no slot drafts in a window while more than this many "
+        "slots are active (drafts pay while a window is bound by reading weights; measured on the CPU: 1.6x at 4 "
+        "streams, none at 8)"
     )
 
     @field_validator("spec")
@@ -148,7 +154,7 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    lookahead=self.lookahead, speculative=parse_spec(self.spec))
+                    lookahead=self.lookahead, speculative=parse_spec(self.spec, self.spec_max_active))
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

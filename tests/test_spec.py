@@ -65,7 +65,7 @@ def engines(request, tmp_path_factory):
     plain = Engine(files, max_cells=256, max_window_tokens=32)
     # one-token lookups too, so that drafts are rejected as well as kept
     drafting = Engine(files, max_cells=256, max_window_tokens=32,
-                      speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+                      speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=64))
     return plain, drafting
 
 
@@ -364,3 +364,25 @@ def test_mtp_refusals_name_what_is_wrong(tmp_path):
         Engine(files, max_cells=64, speculative=SpeculativeConfig("mtp", 2))
     with pytest.raises(StrataError, match="torch kernels"):
         Engine(files, max_cells=64, kernels="triton", cuda_graphs=False, speculative=SpeculativeConfig("mtp", 2))
+
+
+def test_no_slot_drafts_while_more_than_spec_max_active_slots_are_active(engines):
+    """--spec-max-active 1: two conversations decode without drafts (and give their solo answers); once one has
+    ended, the other drafts again."""
+    plain, _ = engines
+    engine = Engine(plain.files, max_cells=256, max_window_tokens=32,
+                    speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=1))
+    slots = engine.init_slots(2)
+    prompts = [repetitive(1), repetitive(2)]
+    slots.admit(0, prompts[0], 6, stop_ids=NO_STOP)
+    slots.admit(1, prompts[1], 30, stop_ids=NO_STOP)
+    out: dict[int, list[int]] = {}
+    drafted_while_both = 0
+    while slots.active or slots.in_flight:
+        both = len(slots.active) == 2
+        before = slots.spec_counts["draft_tokens"]
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+        drafted_while_both += both * (slots.spec_counts["draft_tokens"] - before)
+    assert drafted_while_both == 0 and slots.spec_counts["draft_tokens"] > 0
+    assert [out[0], out[1]] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, (6, 30))]

@@ -16,6 +16,7 @@ from strata.errors import StrataError
 
 METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
+DEFAULT_SPEC_MAX_ACTIVE = 4  # on the CPU drafts gained 1.6x at 4 streams and nothing at 8 (docs/PERFORMANCE.md)
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2  # a lone repeated token is weak evidence: most such drafts are rejected
     adaptive: bool = True  # draft one more token than the slot's drafts had accepted last time (False: always K)
+    max_active: int = DEFAULT_SPEC_MAX_ACTIVE  # no slot drafts while more slots than this are active (`--spec-max-active`)
 
     def __str__(self) -> str:
         return f"{self.method}:{self.num_speculative_tokens}"
 
 
-def parse_spec(value: str | None) -> SpeculativeConfig | None:
+def parse_spec(value: str | None, max_active: int = DEFAULT_SPEC_MAX_ACTIVE) -> SpeculativeConfig | None:
     """`ngram:K` -> SpeculativeConfig; None or "" or "off" -> None; anything else a StrataError saying what is wrong
     (the caller names the flag and the value)."""
     if value is None or value.strip().lower() in ("", "off", "none"):
@@ -49,7 +51,7 @@ def parse_spec(value: str | None) -> SpeculativeConfig | None:
         raise StrataError(f"K must be a whole number of drafted tokens, as in {method}:3") from None
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise StrataError(f"K must be between 1 and {MAX_SPECULATIVE_TOKENS}")
-    return SpeculativeConfig(method, k)
+    return SpeculativeConfig(method, k, max_active=max_active)
 
 
 

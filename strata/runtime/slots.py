@@ -352,6 +352,8 @@ class Slots:
         one token a window, which costs little, until the lookup is right again). Greedy and sampled slots alike:
         `_verify` keeps a draft iff it is the token its row picked (docs/BATCHING.md, drafts)."""
         spec, out = self.speculative, {}
+        if sum(s.active for s in self.slots) > spec.max_active:  # a window of this many rows is bound by compute
+            return out
         for i in decoding:
             slot = self.slots[i]
             if room <= 0:
