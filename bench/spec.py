@@ -1,22 +1,37 @@
-"""Drafts (`--spec ngram:K`): decode tokens/s with drafts against the same engine without them, in one run.
+"""Drafts (`--spec ngram:K`, `--spec mtp:K`): decode tokens/s with drafts against the same engine without them,
+in one run; on a GPU, what a verify window costs against a one-row step and the speed that implies.
 
-Greedy answers to two kinds of prompt, at 1, 4 and 8 slots: one that asks the model to repeat a given text (where
-a lookup in the conversation's own text finds what comes next) and one that asks a question (where it mostly
-does not). Both engines read the same weights; each batch's answers are checked equal with and without drafts
-(drafts never change a greedy answer). Prints tok/s with and without, their ratio, and the acceptance per draft
-position.
+CPU (the default): greedy answers to two kinds of prompt, at 1, 4 and 8 slots: one that asks the model to repeat a
+given text (where a lookup in the conversation's own text finds what comes next) and one that asks a question
+(where it mostly does not). The engines read the same weights; each batch's answers are checked equal with and
+without drafts (drafts never change a greedy answer). Prints tok/s with and without, their ratio, and the
+acceptance per draft position, for each `--spec` given (comma-separated). `--spec-max-active` is 64 here, so every
+slot count drafts (the engine's default stops drafting above 4 active slots).
 
-    python bench/spec.py                       # the embedded default on the CPU
-    python bench/spec.py --spec ngram:6 --slots 1 --tokens 128
+GPU (`--window-cost`): random weights at a real shape, Triton kernels and CUDA graphs. For n slots (each holding a
+128-token context) it times a decode window of n x (1 + k) rows, each slot's rows at consecutive positions as a
+drafting slot's are, against the n-row step, for k = 1..4: c(k). The drafted rows carry other tokens than the
+slot's (they route to other experts), or the slot's own token again (much the same experts): the difference is
+the share of c(k) that reading more experts costs. Then the speed implied at an acceptance a per position:
+(1 - a^(k+1)) / (1 - a) tokens per window, over c(k) (the drafter's own cost not counted: n-gram lookups cost the
+host microseconds; an MTP layer about one layer and a head per draft).
+
+    python bench/spec.py                       # the embedded default on the CPU, n-gram drafts
+    python bench/spec.py --spec ngram:4,mtp:3 --slots 1,4,8
+    python bench/spec.py --window-cost --shape qwen3-30b-a3b --device cuda --slots 1,8,32
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs each evening at dusk, lit the great lamp, wound the clockwork "
         "that turned the lens, and wrote the weather, the ships he saw and the hour in a leather book.")
@@ -44,6 +59,64 @@ def decode(engine, prompts: list[list[int]], tokens: int):
     return [out[i] for i in range(len(prompts))], (sum(len(v) for v in out.values()) - first) / took, slots
 
 
+def window_cost(args) -> None:
+    """`--window-cost`: c(k) on the GPU, random weights (module docstring)."""
+    from shapes import shape
+
+    from strata.model.random_weights import random_stage_weights
+    from strata.runtime.generate import Engine
+    from strata.runtime.window import Window
+
+    spec = shape(args.shape, args.layers)
+    device = torch.device(args.device)
+    counts = [int(x) for x in args.slots.split(",")]
+    engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=args.max_cells, spec=spec,
+                    max_window_tokens=max(counts) * 5,
+                    weights=lambda layers, dev, trim: random_stage_weights(spec, layers, dev, torch.bfloat16))
+    print(f"{args.shape} ({spec.num_layers} layers), random weights, {torch.cuda.get_device_name(device)}, Triton "
+          f"kernels + CUDA graphs; each slot holds a 128-token context")
+    gen = torch.Generator().manual_seed(0)
+    pool = engine.new_pool(max(counts))
+    states = pool.sessions()
+    for state in states:
+        engine.run(state, torch.randint(0, spec.vocab_size, (128,), generator=gen).tolist())
+
+    def timed(n: int, k: int, same: bool) -> float:
+        parts = []
+        for state in states[:n]:
+            first = int(torch.randint(0, spec.vocab_size, (1,), generator=gen))
+            drafts = [first] * k if same else torch.randint(0, spec.vocab_size, (k,), generator=gen).tolist()
+            parts.append((state, [first] + drafts, "apart" if k else False))
+        window = Window.build(parts, device)
+        for _ in range(3):  # compiles, captures the graph of this many rows, warms
+            engine.forward(window)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            engine.forward(window)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / args.iters
+
+    rates = (0.5, 0.7, 0.9)
+    print(f"{'slots':>5} {'1-row step':>10} " + " ".join(f"{'c(' + str(k) + ')':>13}" for k in range(1, 5))
+          + "   best k and the speed it implies at an acceptance of " + ", ".join(map(str, rates)))
+    for n in counts:
+        base = timed(n, 0, False)
+        cells, implied = [], []
+        for k in range(1, 5):
+            other, same = timed(n, k, False) / base, timed(n, k, True) / base
+            cells.append(f"{other:>5.2f} ({same:.2f})")
+            implied.append([(1 - a ** (k + 1)) / (1 - a) / other for a in rates])
+        best = [max(range(4), key=lambda k: implied[k][j]) for j in range(len(rates))]
+        tok_s = n * 1000 / base
+        print(f"{n:>5} {base:>7.2f} ms " + " ".join(f"{c:>13}" for c in cells) + "   " + ", ".join(
+            f"k={b + 1}: {implied[b][j]:.2f}x ({tok_s * implied[b][j]:,.0f} tok/s)" for j, b in enumerate(best)))
+    print("c(k): a window of 1 + k rows per slot over a 1-row step; drafted rows of other tokens (of the slot's own "
+          "token again, in brackets: the same experts, so the difference is the cost of reading more experts)")
+
+
 def main(argv: list[str] | None = None) -> None:
     from strata.runtime.drafts import parse_spec
     from strata.model.loader import ModelFiles
@@ -51,32 +124,40 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--spec", default="ngram:4")
+    p.add_argument("--spec", default="ngram:4", help="one or more, comma-separated: ngram:4,mtp:3")
     p.add_argument("--slots", default="1,4,8")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--max-cells", type=int, default=1024)
+    p.add_argument("--window-cost", action="store_true", help="the GPU part: c(k) at --shape on --device")
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
+    if args.window_cost:
+        return window_cost(args)
 
     files = ModelFiles.open(args.model)
     tok = files.tokenizer
     plain = Engine(files, max_cells=args.max_cells)
-    drafting = Engine(files, max_cells=args.max_cells, speculative=parse_spec(args.spec))
     print(f"{args.model} on cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"--spec {args.spec}, {args.tokens} tokens each, greedy")
-    print(f"{'prompt':>9} {'slots':>5} {'tok/s without':>14} {'with':>8} {'ratio':>6} {'accepted / drafted':>19} "
-          f"{'accepted per position':>22}")
-    for name, text in PROMPTS.items():
-        ids = tok.encode_chat([{"role": "user", "content": text}])
-        for n in (int(x) for x in args.slots.split(",")):
-            answers, base, _ = decode(plain, [ids] * n, args.tokens)
-            drafted_answers, fast, slots = decode(drafting, [ids] * n, args.tokens)
-            if drafted_answers != answers:
-                raise SystemExit(f"{name}, {n} slots: the answers with drafts differ from those without")
-            counts = slots.spec_counts
-            rate = counts["accepted"] / max(counts["draft_tokens"], 1)
-            per_pos = " ".join(f"{c / max(counts['drafts'], 1):.2f}" for c in slots.spec_accepted_per_pos)
-            print(f"{name:>9} {n:>5} {base:>14.1f} {fast:>8.1f} {fast / base:>5.2f}x "
-                  f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}")
+          f"{args.tokens} tokens each, greedy")
+    print(f"{'--spec':>8} {'prompt':>9} {'slots':>5} {'tok/s without':>14} {'with':>8} {'ratio':>6} "
+          f"{'accepted / drafted':>19} {'accepted per position':>22}")
+    for value in args.spec.split(","):
+        drafting = Engine(files, max_cells=args.max_cells, speculative=parse_spec(value, max_active=64))
+        for name, text in PROMPTS.items():
+            ids = tok.encode_chat([{"role": "user", "content": text}])
+            for n in (int(x) for x in args.slots.split(",")):
+                answers, base, _ = decode(plain, [ids] * n, args.tokens)
+                drafted_answers, fast, slots = decode(drafting, [ids] * n, args.tokens)
+                if drafted_answers != answers:
+                    raise SystemExit(f"{value}, {name}, {n} slots: the answers with drafts differ from those without")
+                counts = slots.spec_counts
+                rate = counts["accepted"] / max(counts["draft_tokens"], 1)
+                per_pos = " ".join(f"{c / max(counts['drafts'], 1):.2f}" for c in slots.spec_accepted_per_pos)
+                print(f"{value:>8} {name:>9} {n:>5} {base:>14.1f} {fast:>8.1f} {fast / base:>5.2f}x "
+                      f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}")
     print("\nanswers with drafts equal those without: yes")
 
 

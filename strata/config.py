@@ -108,10 +108,9 @@ class EngineSettings(StrataSettings):
         "accepted ones, unchanged; needs --lookahead 0 (taken by default with --spec); mtp and Gated DeltaNet "
         "models on --kernels torch for now"
     )
-    spec_max_active: int = Field(
-        DEFAULT_SPEC_MAX_ACTIVE, ge=0, description="with --spec: no slot drafts in a window while more than this many "
-        "slots are active (drafts pay while a window is bound by reading weights; measured on the CPU: 1.6x at 4 "
-        "streams, none at 8)"
+    spec_max_active: int | None = Field(
+        None, ge=0, description="with --spec: no slot drafts in a window while more than this many slots are active "
+        "(drafts pay while a window is bound by reading weights; default by measurement: 4 on the CPU, 16 on a GPU)"
     )
 
     @field_validator("spec")
@@ -154,7 +153,9 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    lookahead=self.lookahead, speculative=parse_spec(self.spec, self.spec_max_active))
+                    lookahead=self.lookahead, speculative=parse_spec(
+                        self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
+                        if self.spec_max_active is None else self.spec_max_active))
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

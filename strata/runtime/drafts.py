@@ -16,7 +16,10 @@ from strata.errors import StrataError
 
 METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
-DEFAULT_SPEC_MAX_ACTIVE = 4  # on the CPU drafts gained 1.6x at 4 streams and nothing at 8 (docs/PERFORMANCE.md)
+# by device type, measured (docs/PERFORMANCE.md, bench/spec.py): on the CPU n-gram drafts gained 1.6x at 4 streams
+# and nothing at 8; on an H200 a window of 1 + k rows a slot still pays at 8 slots, while at 32 a Qwen3-Next shape's
+# breaks even only at an acceptance of 0.5 or more
+DEFAULT_SPEC_MAX_ACTIVE = {"cpu": 4, "cuda": 16}
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2  # a lone repeated token is weak evidence: most such drafts are rejected
     adaptive: bool = True  # draft one more token than the slot's drafts had accepted last time (False: always K)
-    max_active: int = DEFAULT_SPEC_MAX_ACTIVE  # no slot drafts while more slots than this are active (`--spec-max-active`)
+    max_active: int = DEFAULT_SPEC_MAX_ACTIVE["cpu"]  # no slot drafts while more slots than this are active (`--spec-max-active`)
 
     def __str__(self) -> str:
         return f"{self.method}:{self.num_speculative_tokens}"
 
 
-def parse_spec(value: str | None, max_active: int = DEFAULT_SPEC_MAX_ACTIVE) -> SpeculativeConfig | None:
+def parse_spec(value: str | None, max_active: int = DEFAULT_SPEC_MAX_ACTIVE["cpu"]) -> SpeculativeConfig | None:
     """`ngram:K` -> SpeculativeConfig; None or "" or "off" -> None; anything else a StrataError saying what is wrong
     (the caller names the flag and the value)."""
     if value is None or value.strip().lower() in ("", "off", "none"):
