@@ -386,3 +386,25 @@ def test_no_slot_drafts_while_more_than_spec_max_active_slots_are_active(engines
         drafted_while_both += both * (slots.spec_counts["draft_tokens"] - before)
     assert drafted_while_both == 0 and slots.spec_counts["draft_tokens"] > 0
     assert [out[0], out[1]] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, (6, 30))]
+
+
+@pytest.mark.parametrize("mtp_model", ["qwen3_next-dense"], indirect=True)
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_drafts_through_a_two_stage_split_give_the_one_stage_tokens(mtp_model, method):
+    """A layer split over two stages: drafting slots beside each other give the tokens of the one-stage engine
+    without drafts; MTP drafts run on the last stage (its cells and the token embedding there)."""
+    folder, _, _ = mtp_model
+    files = ModelFiles.open(folder)
+    plain = Engine(files, max_cells=128)
+    split = Engine(files, max_cells=128, layer_split="2,2", max_window_tokens=16,
+                   speculative=SpeculativeConfig(method, 3, prompt_lookup_min=1, max_active=8))
+    prompts = [repetitive(6, 18), repetitive(7, 9)]
+    slots = split.init_slots(2)
+    out: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        slots.admit(i, p, 16, stop_ids=NO_STOP)
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+    assert [out[0], out[1]] == [plain.generate(p, 16, stop_ids=NO_STOP).ids for p in prompts]
+    assert slots.spec_counts["drafts"] > 0

@@ -125,8 +125,9 @@ class Engine:
             raise StrataError(f"{flag}: {source} has no multi-token-prediction weights (mtp.* tensors) and Strata "
                               "ships no MTP head for it; use --spec ngram:K")
         tensors = mtp_tensors(raw, self.files.family, self.spec, last.device, self.dtype, source)
-        if last.weights.embed is None:
-            raise StrataError(f"{flag}: the last stage holds no token embedding to feed the MTP layer")
+        if last.weights.embed is None:  # a later stage of a layer split: the MTP layer embeds its tokens there
+            name = f"{self.files.family.prefix}embed_tokens.weight"
+            last.weights.embed = self.files.checkpoint.load(name, self.dtype).to(last.device).contiguous()
         last.forward.set_mtp(tensors)
 
     @property
