@@ -121,3 +121,10 @@ def test_bad_settings():
     _fails(strata("generate", "--prompt", "x", "--device", "abacus"), "abacus")
     if not torch.cuda.is_available():
         _fails(strata("generate", "--prompt", "x", "--device", "cuda"), "no CUDA GPU")
+
+
+def test_bad_spec_values_exit_2_naming_them(tiny):
+    _fails(strata("generate", "--model", str(tiny), "--prompt-ids", "1", "--spec", "mtp:2"),
+           "--spec mtp:2", "no multi-token-prediction weights")
+    _fails(strata("generate", "--model", str(tiny), "--prompt-ids", "1", "--spec", "ngram:12"), "between 1 and 8")
+    _fails(strata("generate", "--model", str(tiny), "--prompt-ids", "1", "--spec", "medusa:2"), "unknown method 'medusa'")
