@@ -103,6 +103,8 @@ def engine_flags(args) -> list[str]:
              "--max-cells", str(args.max_cells)]
     if args.max_window_tokens is not None:
         flags += ["--max-window-tokens", str(args.max_window_tokens)]
+    if getattr(args, "spec", None):  # drafts (bench/spec.py --server): every slot count drafts
+        flags += ["--spec", args.spec, "--spec-max-active", "256"]
     return flags
 
 

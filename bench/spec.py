@@ -5,7 +5,8 @@ CPU (the default): greedy answers to two kinds of prompt, at 1, 4 and 8 slots: o
 given text (where a lookup in the conversation's own text finds what comes next) and one that asks a question
 (where it mostly does not). The engines read the same weights; each batch's answers are checked equal with and
 without drafts (drafts never change a greedy answer). Prints tok/s with and without, their ratio, and the
-acceptance per draft position, for each `--spec` given (comma-separated). `--spec-max-active` is 64 here, so every
+acceptance per draft position, for each `--spec` given (comma-separated); `--server` then sends the repeat prompt
+through `strata serve` (streaming clients, a server per setting) for the same ratios as a user gets them. `--spec-max-active` is 64 here, so every
 slot count drafts (the engine's default stops drafting above 4 active slots).
 
 GPU (`--window-cost`): random weights at a real shape, Triton kernels and CUDA graphs. For n slots (each holding a
@@ -17,7 +18,7 @@ the share of c(k) that reading more experts costs. Then the speed implied at an 
 host microseconds; an MTP layer about one layer and a head per draft).
 
     python bench/spec.py                       # the embedded default on the CPU, n-gram drafts
-    python bench/spec.py --spec ngram:4,mtp:3 --slots 1,4,8
+    python bench/spec.py --spec ngram:4,mtp:3 --slots 1,4,8 --server
     python bench/spec.py --window-cost --shape qwen3-30b-a3b --device cuda --slots 1,8,32
 """
 
@@ -117,6 +118,40 @@ def window_cost(args) -> None:
           "token again, in brackets: the same experts, so the difference is the cost of reading more experts)")
 
 
+def through_server(args, ids: list[int]) -> None:
+    """`--server`: the repeat prompt through `strata serve` (streaming /v1/completions clients, bench/serve.py's),
+    without drafts and with each --spec, at each slot count: total tok/s of the wave and its ratio."""
+    import asyncio
+    import importlib.util
+    from argparse import Namespace
+
+    loaded = importlib.util.spec_from_file_location("bench_serve", Path(__file__).resolve().parent / "serve.py")
+    bench_serve = sys.modules["bench_serve"] = importlib.util.module_from_spec(loaded)  # not `serve`: the server's
+    loaded.loader.exec_module(bench_serve)
+    counts = [int(x) for x in args.slots.split(",")]
+    base: dict[int, float] = {}
+    print(f"\nthrough strata serve (streaming clients, the repeat prompt, {args.tokens} tokens each):")
+    for value in [None, *args.spec.split(",")]:
+        flags = Namespace(device="cpu", dtype="auto", batch=max(counts), max_cells=args.max_cells,
+                          max_window_tokens=None, paced_engine=None, spec=value)
+        server = bench_serve.ServerProcess(args.model, flags)
+        try:
+            server.wait_healthy()
+            asyncio.run(bench_serve.one_request(server.url, ids, 4))  # the clients' first connection, warmed
+            for n in counts:
+                streams = asyncio.run(bench_serve.wave(server.url, [ids] * n, args.tokens))
+                errors = [s.error for s in streams if s.error]
+                if errors:
+                    raise SystemExit(f"--spec {value}: {errors[0]}")
+                span = max(s.end for s in streams) - min(s.chunks[0] for s in streams if s.chunks)
+                tok_s = sum(s.tokens - 1 for s in streams) / span
+                ratio = "" if value is None else f"  {tok_s / base[n]:.2f}x"
+                base.setdefault(n, tok_s)
+                print(f"  --spec {value or 'off':>8}, {n} streams: {tok_s:6.1f} tok/s{ratio}")
+        finally:
+            server.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     from strata.runtime.drafts import parse_spec
     from strata.model.loader import ModelFiles
@@ -133,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--server", action="store_true", help="also through strata serve (the repeat prompt)")
     args = p.parse_args(argv)
     if args.window_cost:
         return window_cost(args)
@@ -159,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{value:>8} {name:>9} {n:>5} {base:>14.1f} {fast:>8.1f} {fast / base:>5.2f}x "
                       f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}")
     print("\nanswers with drafts equal those without: yes")
+    if args.server:
+        through_server(args, tok.encode_chat([{"role": "user", "content": PROMPTS["repeat"]}]))
 
 
 if __name__ == "__main__":
