@@ -357,6 +357,35 @@ def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp
     assert slots.spec_counts["drafts"] >= 10
 
 
+@pytest.mark.parametrize("mtp_model", ["llama-gqa-tied"], indirect=True)
+def test_mtp_cells_come_back_with_a_reused_or_parked_prefix(mtp_model):
+    """A follow-up that reuses a parked conversation's prefix (and one that reuses an idle slot's) drafts from MTP
+    cells that were parked and restored (copied) with the rest: its drafts equal the reference's."""
+    folder, model, tensors = mtp_model
+    engine = Engine(ModelFiles.open(folder), max_cells=128, speculative=SpeculativeConfig("mtp", 2, adaptive=False))
+    reference = ReferenceMTP(model.eval(), tensors)
+    slots = engine.init_slots(2)
+
+    def run(slot: int, ids: list[int], n: int) -> tuple[int, list[int], list[tuple[list[int], list[int]]]]:
+        reused = slots.admit(slot, ids, n, stop_ids=NO_STOP)
+        out, seen = [], []
+        while slots.active or slots.in_flight:
+            out += [e.token for e in slots.step()]
+            s = slots.slots[slot]
+            if s.active and s.mtp_drafts:
+                seen.append((s.state.tokens + [s.next_token], list(s.mtp_drafts)))
+        return reused, out, seen
+
+    first = repetitive(8, 21)
+    _, answer, _ = run(0, first, 8)
+    run(0, repetitive(9, 14), 4)  # another conversation in the slot: the first is parked
+    assert engine.parking.conversations >= 1
+    for slot in (0, 1):  # from parking into slot 0; then slot 1 copies slot 0's idle state
+        reused, _, seen = run(slot, first + answer + [7, 8], 6)
+        assert reused >= len(first), reused
+        assert seen and all(d == reference.drafts(ids, len(d)) for ids, d in seen)
+
+
 def test_mtp_refusals_name_what_is_wrong(tmp_path):
     build("llama-mha-untied", tmp_path)
     files = ModelFiles.open(tmp_path)

@@ -95,6 +95,9 @@ def add_mtp_layer(folder: Path, model, draft_vocab: list[int] | None = None, see
                "mtp.pre_fc_norm_embedding.weight": 1 + 0.1 * torch.randn(hidden),
                "mtp.pre_fc_norm_hidden.weight": 1 + 0.1 * torch.randn(hidden)}
     tensors |= {f"mtp.layers.0.{k}": v + 0.02 * torch.randn_like(v) for k, v in last.items()}
+    for k in tensors:  # an attention whose output matters next to the residual: its cells must be right
+        if k.endswith(("self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_proj.weight")):
+            tensors[k] = tensors[k] * 6
     if draft_vocab is not None:
         tensors["mtp.draft_vocab"] = torch.tensor(sorted(draft_vocab), dtype=torch.int64)
     save_file(tensors, str(folder / "mtp.safetensors"))
