@@ -395,6 +395,7 @@ def test_mtp_refusals_name_what_is_wrong(tmp_path):
         Engine(files, max_cells=64, kernels="triton", cuda_graphs=False, speculative=SpeculativeConfig("mtp", 2))
 
 
+@pytest.mark.parametrize("engines", ["llama-gqa-tied"], indirect=True)
 def test_no_slot_drafts_while_more_than_spec_max_active_slots_are_active(engines):
     """--spec-max-active 1: two conversations decode without drafts (and give their solo answers); once one has
     ended, the other drafts again."""
