@@ -438,3 +438,16 @@ def test_drafts_through_a_two_stage_split_give_the_one_stage_tokens(mtp_model, m
             out.setdefault(e.slot, []).append(e.token)
     assert [out[0], out[1]] == [plain.generate(p, 16, stop_ids=NO_STOP).ids for p in prompts]
     assert slots.spec_counts["drafts"] > 0
+
+
+def test_the_default_models_mtp_head_drafts_what_the_model_writes(default_engine):
+    """`--model default --spec mtp:3` loads the head Strata ships (train/mtp_head.py): a chat answer with its drafts
+    equals the one without, and the head's first drafts are right far above chance (8,192 draft tokens)."""
+    engine = Engine(default_engine.files, max_cells=1024, speculative=SpeculativeConfig("mtp", 3))
+    tok = engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
+    plain = default_engine.generate(ids, 48, stop_ids=NO_STOP).ids
+    assert engine.generate(ids, 48, stop_ids=NO_STOP).ids == plain
+    counts = engine.solo_slots().spec_counts
+    first = engine.solo_slots().spec_accepted_per_pos[0] / counts["drafts"]
+    assert counts["drafts"] >= 10 and first >= 0.1, (counts, first)
