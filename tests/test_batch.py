@@ -242,3 +242,31 @@ def test_the_solo_stream_closed_early_leaves_a_whole_state(engine):
     assert engine.generate(prompt(3), 30, stop_ids=NO_STOP).ids == want
     kept = len(prompt(3)) - 1 if engine.parking.truncatable else 0  # a GDN state past the prompt cannot be cut
     assert engine.solo_slots().slots[0].num_reused == kept
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+def test_row_blocks_give_each_row_its_solo_result(monkeypatch, block):
+    """Whatever block the machine measured (or STRATA_ROW_BLOCK set), a row's product in a window of 5 rows equals
+    its product alone, bit for bit."""
+    from strata.kernels import invariant
+
+    monkeypatch.setattr(invariant, "_blocks", {})
+    monkeypatch.setenv("STRATA_ROW_BLOCK", str(block))
+    w = torch.randn(96, 64)
+    x = torch.randn(5, 64)
+    together = invariant.invariant_linear(x, w)
+    for r in range(5):
+        assert torch.equal(together[r], invariant.invariant_linear(x[r:r + 1], w)[0])
+
+
+def test_the_measured_row_block_and_a_bad_setting(monkeypatch):
+    from strata.kernels import invariant
+
+    monkeypatch.setattr(invariant, "_blocks", {})
+    monkeypatch.delenv("STRATA_ROW_BLOCK", raising=False)
+    block, times = invariant.measure_row_block(torch.float32, nbytes=4 << 20, repeats=2)
+    assert block in invariant.CANDIDATES and set(times) == set(invariant.CANDIDATES)
+    assert times[block] <= invariant.WITHIN * times[1]
+    monkeypatch.setenv("STRATA_ROW_BLOCK", "three")
+    with pytest.raises(ValueError, match="STRATA_ROW_BLOCK='three'"):
+        invariant.row_block(torch.float32)

@@ -6,28 +6,76 @@ of 8. Decode windows (one row per sequence) therefore run their per-row products
 blocks of rows, zero-padded: every row sees the same shape, and a conversation's arithmetic is the same
 alone or batched. (Seen on an H200: an RMSNorm row differed by one bfloat16 ulp between 1 and 8 rows.)
 
-The block is the largest that costs about what one row costs. Measured on the 2-core CPU (AVX-512, AMX)
-over SmolLM2-135M's projections: float32 products of 1, 2, 3, 4 and 8 rows take 20, 23, 25, 38 and 49 ms,
-so float32 uses blocks of 3; bfloat16 products of 1 and 8 rows take 20.5 and 21.8 ms (AMX), so the
-16-bit types use blocks of 8. Prompt windows use the plain ops.
+The block is the largest that costs about what one row costs, and that depends on the CPU and its BLAS, so on
+the CPU it is measured once per process and dtype (`row_block`): a product over a weight larger than the caches
+is timed at 1, 2, 3, 4 and 8 rows, and the block is the largest whose time is within 1.3x of one row's. Measured
+on SmolLM2-135M's projections, float32: an Intel Xeon with AMX (MKL) takes 20, 23, 25, 38 and 49 ms (block 3);
+an AMD EPYC (MKL's AVX-512 path) 57, 83, 112, 71 and 89 ms (block 1: a product of 3 rows there costs twice one
+row); bfloat16 on either costs about the same from 1 to 8 rows (block 8). `STRATA_ROW_BLOCK=n` sets it instead
+(results are then identical across machines that agree on n and the BLAS). On a GPU the torch path keeps fixed
+blocks (3 rows in float32, 8 otherwise). Prompt windows use the plain ops.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+CANDIDATES = (1, 2, 3, 4, 8)
+WITHIN = 1.3  # a block may cost this much more than one row
+_blocks: dict[torch.dtype, int] = {}
+log = logging.getLogger("strata.engine")
+
+
+def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int = 5) -> tuple[int, dict[int, float]]:
+    """(the block, {rows: seconds}): F.linear over a [N, 1024] weight of about `nbytes`, each row count timed
+    `repeats` times over a fresh pass (best kept), the weights walked in four parts so no part stays cached."""
+    k = 1024
+    n = max(256, nbytes // (k * torch.finfo(dtype).bits // 8) // 4)
+    parts = [torch.randn(n, k, dtype=dtype) * 0.01 for _ in range(4)]
+    times = {}
+    for rows in CANDIDATES:
+        x = torch.randn(rows, k, dtype=dtype)
+        for w in parts:  # warm the code path
+            F.linear(x, w)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for w in parts:
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t)
+        times[rows] = best
+    block = max(r for r in CANDIDATES if times[r] <= WITHIN * times[1])
+    return block, times
+
 
 def row_block(dtype: torch.dtype) -> int:
-    return 3 if dtype == torch.float32 else 8
+    """The decode block of rows for `dtype` on this machine's CPU (measured once per process; see the module)."""
+    if dtype not in _blocks:
+        forced = os.environ.get("STRATA_ROW_BLOCK")
+        if forced:
+            if not forced.isdigit() or int(forced) < 1:
+                raise ValueError(f"STRATA_ROW_BLOCK={forced!r}: expected a whole number of rows, at least 1")
+            _blocks[dtype] = int(forced)
+        else:
+            block, times = measure_row_block(dtype)
+            _blocks[dtype] = block
+            log.info("decode windows run %s products in blocks of %d row(s) on this CPU (measured: %s)",
+                     str(dtype).removeprefix("torch."), block,
+                     ", ".join(f"{r} rows {t * 1e3:.1f} ms" for r, t in times.items()))
+    return _blocks[dtype]
 
 
 def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """fn(x, ...) computed on zero-padded blocks of rows of x [R, ...]; fn must work row by row and
     return a tensor or a tuple of tensors with one row per input row."""
-    rows, block = x.shape[0], row_block(x.dtype)
+    rows = x.shape[0]
+    block = row_block(x.dtype) if x.device.type == "cpu" else (3 if x.dtype == torch.float32 else 8)
     if rows % block:
         x = torch.cat([x, x.new_zeros(block - rows % block, *x.shape[1:])])
     outs = [fn(b, *args, **kwargs) for b in x.split(block)]
