@@ -14,6 +14,9 @@ _FLOAT_KEYS = {f.name for f in fields(SamplingParams) if f.type in ("float", flo
 _INT_KEYS = {f.name for f in fields(SamplingParams) if f.type in ("int", int)}
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a token may carry (OpenAI's limit)
+
+
 class ProtocolError(ValueError):
     """A command line that cannot be understood; the engine answers `ERR <reason>` and carries on."""
 
@@ -27,6 +30,7 @@ class Request:
     stop_ids: frozenset[int]
     ignore_eos: bool
     ids: list[int]
+    logprobs: int | None = None  # log-probabilities to report with each token: None none, k >= 0 its own and k top
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ def _request(words: list[str]) -> Request:
     sampling: dict = {}
     stop_ids: set[int] = set()
     ignore_eos = False
+    logprobs = None
     ids: list[int] = []
     for word in words[1:]:
         if "=" not in word:
@@ -82,7 +87,7 @@ def _request(words: list[str]) -> Request:
         if ids:
             raise ProtocolError(f"key {word!r} after the token ids; keys come first")
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -91,13 +96,17 @@ def _request(words: list[str]) -> Request:
                 sampling[key] = int(value)
             elif key == "stop":
                 stop_ids |= {int(v) for v in value.split(",") if v}
+            elif key == "logprobs":
+                logprobs = int(value)
+                if not 0 <= logprobs <= MAX_LOGPROBS:
+                    raise ProtocolError(f"logprobs={logprobs}: top log-probabilities are 0 to {MAX_LOGPROBS}")
             else:
                 ignore_eos = value not in ("0", "false", "")
         except ValueError:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
         raise ProtocolError("ADD has no prompt token ids")
-    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids)
+    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs)
 
 
 def command_id(line: str) -> str | None:
@@ -138,6 +147,8 @@ def format_request(request: Request) -> str:
         keys.append("stop=" + ",".join(str(i) for i in sorted(request.stop_ids)))
     if request.ignore_eos:
         keys.append("ignore_eos=1")
+    if request.logprobs is not None:
+        keys.append(f"logprobs={request.logprobs}")
     return " ".join([str(request.max_new), *keys, *map(str, request.ids)])
 
 
@@ -168,6 +179,13 @@ def run(rid: str, num_reused: int) -> str:
 def tokens(pairs: list[tuple[str, int]]) -> str:
     """The tokens one window gave: (request id, token) pairs, in order."""
     return "TOK " + " ".join(f"{rid} {t}" for rid, t in pairs)
+
+
+def logprobs(rid: str, token: int, logprob: float, top: list[tuple[int, float]]) -> str:
+    """The log-probability of a request's next token (sent before the TOK line that carries it) and the `top` most
+    likely tokens with theirs, most likely first: raw log-softmax of the model's logits, before penalties,
+    temperature and filters."""
+    return f"LP {rid} {token} {logprob!r} " + " ".join(f"{t} {lp!r}" for t, lp in top)
 
 
 def end(rid: str, reason: str, num_prompt: int, num_generated: int, num_reused: int = 0) -> str:

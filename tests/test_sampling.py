@@ -277,3 +277,37 @@ def test_validate_accepts_defaults_and_edges():
     SamplingParams().validate()
     SamplingParams(temperature=2.0, top_p=1.0, top_k=1, min_p=1.0, seed=2**63 - 1).validate()
     assert SamplingParams().is_greedy and not SamplingParams(temperature=0.5).is_greedy
+
+
+@pytest.mark.parametrize("spec", [None, "ngram:3"])
+def test_logprobs_are_the_reference_log_softmax(tmp_path_factory, spec):
+    """A slot asking for logprobs gets, with each token, the raw log-softmax of the model's logits there (as
+    transformers computes it for the same tokens) and the top ones, most likely first; with or without drafts,
+    sampled, and beside a slot that asks for none (its events carry none)."""
+    from strata.model.loader import ModelFiles
+    from strata.runtime.drafts import parse_spec
+    from strata.runtime.generate import Engine
+    from tests.tiny_models import build
+
+    folder = tmp_path_factory.mktemp("logprobs")
+    model = build("llama-gqa-tied", folder)
+    engine = Engine(ModelFiles.open(str(folder)), max_cells=64,
+                    speculative=parse_spec(spec, max_active=8) if spec else None)
+    slots = engine.init_slots(2)
+    prompt = [3, 17, 5, 9, 3, 17, 5]
+    slots.admit(0, prompt, 8, SamplingParams(temperature=0.8, seed=5), stop_ids=frozenset(), logprobs=4)
+    slots.admit(1, prompt[:4], 8, stop_ids=frozenset())
+    events = []
+    while slots.active or slots.in_flight:
+        events += slots.step()
+    assert all(e.logprobs is None for e in events if e.slot == 1)
+    mine = [e for e in events if e.slot == 0]
+    tokens = [e.token for e in mine]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float(), -1)
+    for e, row in zip(mine, ref):
+        chosen, top = e.logprobs
+        assert chosen == pytest.approx(float(row[e.token]), abs=1e-4)
+        values, ids = row.topk(4)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -156,7 +156,8 @@ class Scheduler:
             best = max(free, key=lambda i: (reusable(self.slots.slots[i].state.tokens, request.ids, truncatable),
                                             -self.slots.slots[i].released))
             try:
-                reused = self.slots.admit(best, request.ids, request.max_new, request.params, self._stops(request))
+                reused = self.slots.admit(best, request.ids, request.max_new, request.params, self._stops(request),
+                                          logprobs=request.logprobs)
             except StrataError as e:
                 self.emit(protocol.err(rid, protocol.ERR_INVALID, str(e)))
                 continue
@@ -171,6 +172,9 @@ class Scheduler:
             self.emit(protocol.window(decode_rows, prompt_rows))
         if not events:
             return
+        for e in events:
+            if e.logprobs is not None:
+                self.emit(protocol.logprobs(self.owner[e.slot], e.token, *e.logprobs))
         self.emit(protocol.tokens([(self.owner[e.slot], e.token) for e in events]))
         for e in events:
             if e.finish_reason:

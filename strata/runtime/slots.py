@@ -61,6 +61,7 @@ class Slot:
     counts: torch.Tensor | None = None  # [V] int32 counts of generated tokens, only with penalties
     draft_len: int = 0  # drafts it may propose next (`--spec`): one more than it had accepted last time
     mtp_drafts: list[int] = field(default_factory=list)  # what the MTP layer drafted after its last window
+    logprobs: int | None = None  # report each token's log-probability and this many top ones (None: none)
     admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
     released: int = 0  # when it last went idle (`_order`)
 
@@ -81,6 +82,7 @@ class Event:
     slot: int
     token: int
     finish_reason: str | None = None
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None  # the token's and the top ones (slot.logprobs)
 
 
 @dataclass
@@ -100,6 +102,8 @@ class SlotWindow:
     hidden: torch.Tensor | None = None  # with MTP drafts: every row's final hidden state
     sampled: torch.Tensor | None = None  # [N] int64 on the last stage's device: each sampler's next token
     host: torch.Tensor | None = None  # the same, copied to host memory (pinned on a GPU)
+    logprob_rows: dict[int, int] = field(default_factory=dict)  # sampler row -> its row in logprob_host
+    logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token's, top values, top ids)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
 
     @property
@@ -174,13 +178,14 @@ class Slots:
         params.validate()
 
     def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = ()) -> int:
+              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), logprobs: int | None = None) -> int:
         """Give the slot a request; its prompt is read in the next windows (`step`, `run_slots`). Returns the
         prompt tokens reused instead of read.
 
         The longest reusable prefix of the prompt that the slot itself, another idle slot, an `idle` sequence or a
         parked conversation holds is kept (`Engine.reuse`; what the slot held otherwise is parked) and only the
-        rest is read; at least one token is always read, since its row gives the first new token."""
+        rest is read; at least one token is always read, since its row gives the first new token. `logprobs`: each
+        token's event carries its log-probability and this many top ones (`Event.logprobs`)."""
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it and wait for its end first")
@@ -189,9 +194,11 @@ class Slots:
             raise StrataError(f"slot {index} still has a row in a window in flight: read it (step, flush) before "
                               "admitting a conversation there")
         self.check_request(prompt_ids, max_new, params)
+        if logprobs is not None and not 0 <= logprobs <= self.engine.spec.vocab_size:
+            raise StrataError(f"logprobs={logprobs}: top log-probabilities must be 0 to the vocabulary's size")
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
-        slot.params, slot.max_new, slot.num_prompt = params, max_new, len(prompt_ids)
+        slot.params, slot.max_new, slot.num_prompt, slot.logprobs = params, max_new, len(prompt_ids), logprobs
         slot.generated = []
         slot.draft_len = self.speculative.num_speculative_tokens if self.speculative else 0
         slot.seen_prompt = slot.counts = None
@@ -408,7 +415,23 @@ class Slots:
         positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
         sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions,
                                   sw.drafts)
+        self._logprobs(sw, logits)
         sw.host, sw.copied = host_copy(sw.sampled)
+
+    def _logprobs(self, sw: SlotWindow, logits: torch.Tensor) -> None:
+        """For the sampler rows whose slot reports log-probabilities: the raw log-softmax of their logits (before
+        penalties, temperature and filters, as vLLM reports by default) at the sampled token, and the top ones, on
+        their way to the host with the tokens."""
+        rows = [j for j, i in enumerate(sw.samplers) if self.slots[i].logprobs is not None]
+        if not rows:
+            return
+        k = max(self.slots[sw.samplers[j]].logprobs for j in rows)
+        index = row_tensor(rows, torch.int64, logits.device)
+        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = lp.gather(1, sw.sampled.index_select(0, index)[:, None])[:, 0]
+        top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        sw.logprob_rows = {j: r for r, j in enumerate(rows)}
+        sw.logprob_host = tuple(host_copy(t)[0] for t in (chosen, top_values, top_ids))
 
     def _ends_after_pending(self, index: int) -> bool:
         """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
@@ -426,26 +449,43 @@ class Slots:
         self._read_log.append((len(sw.decoding) + sum(len(d) for d in sw.drafts.values()), sw.prompt_rows))
         lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
         tokens = sw.host.tolist() if sw.samplers else []
-        kept = self._verify(sw, tokens, lengths) if sw.drafts else (sw.samplers, tokens, lengths)
+        rows = list(range(len(sw.samplers)))
+        kept = self._verify(sw, tokens, lengths) if sw.drafts else (sw.samplers, tokens, lengths, rows)
         if self.mtp is not None:
             self._run_mtp(sw, kept[0], kept[1])
-        return self._record(*kept)
+        return self._record(*kept[:3], self._logprob_entries(sw, kept[3]))
 
-    def _verify(self, sw: SlotWindow, tokens: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    def _logprob_entries(self, sw: SlotWindow, rows: list[int]) -> list | None:
+        """Per kept row: (its token's log-probability, [(top id, log-probability)...]) or None."""
+        if sw.logprob_host is None:
+            return None
+        chosen, top_values, top_ids = (t.tolist() for t in sw.logprob_host)
+        out = []
+        for j in rows:
+            r = sw.logprob_rows.get(j)
+            if r is None:
+                out.append(None)
+                continue
+            k = self.slots[sw.samplers[j]].logprobs
+            out.append((chosen[r], list(zip(top_ids[r][:k], top_values[r][:k]))))
+        return out
+
+    def _verify(self, sw: SlotWindow, tokens: list[int], lengths: list[int]
+                ) -> tuple[list[int], list[int], list[int], list[int]]:
         """A drafting slot's rows picked a token each (argmax, or sampled with the random number of (seed,
         position)): keep its drafts while each equals the token its row before picked, then that row's own token,
         so the slot gains 1 + accepted tokens, exactly those decoding without drafts gives. For a sampled row this
         is speculative sampling with a draft of probability one: a draft d is kept with probability p(d), and a
         rejected row's pick is distributed as p without d, renormalised. Its state keeps the rows of the kept
-        drafts and forgets the others; its penalty counts gain the kept tokens. Returns the samplers, tokens and
-        lengths to record, the rejected rows' left out."""
-        indices, kept, kept_lengths = [], [], []
+        drafts and forgets the others; its penalty counts gain the kept tokens. Returns the samplers, tokens,
+        lengths and sampler rows to record, the rejected rows' left out."""
+        indices, kept, kept_lengths, rows = [], [], [], []
         j = 0
         while j < len(sw.samplers):
             i = sw.samplers[j]
             drafted = sw.drafts.get(i)  # a drafting slot's rows are consecutive samplers, its last token's first
             if not drafted:
-                indices.append(i), kept.append(tokens[j]), kept_lengths.append(lengths[j])
+                indices.append(i), kept.append(tokens[j]), kept_lengths.append(lengths[j]), rows.append(j)
                 j += 1
                 continue
             accepted = 0
@@ -464,8 +504,9 @@ class Slots:
             indices += [i] * n
             kept += tokens[j : j + n]
             kept_lengths += lengths[j : j + n]
+            rows += range(j, j + n)
             j += len(drafted) + 1
-        return indices, kept, kept_lengths
+        return indices, kept, kept_lengths, rows
 
     def _run_mtp(self, sw: SlotWindow, indices: list[int], tokens: list[int]) -> None:
         """After a window is verified: the MTP layer reads each of its slots' kept rows t (the row's final hidden
@@ -562,11 +603,13 @@ class Slots:
                 s.counts.index_add_(0, tokens[j : j + 1], torch.ones(1, dtype=torch.int32, device=tokens.device))
         return tokens
 
-    def _record(self, indices: list[int], tokens: list[int], lengths: list[int]) -> list[Event]:
+    def _record(self, indices: list[int], tokens: list[int], lengths: list[int],
+                logprobs: list | None = None) -> list[Event]:
         """Give each active slot its token and end the slots that are done. lengths[j]: the positions slot j held
-        once the row that sampled its token was committed (later rows may be in flight)."""
+        once the row that sampled its token was committed (later rows may be in flight); logprobs[j]: what its
+        event reports (`Event.logprobs`)."""
         events = []
-        for i, token, length in zip(indices, tokens, lengths):
+        for j, (i, token, length) in enumerate(zip(indices, tokens, lengths)):
             slot = self.slots[i]
             if not slot.active:  # stopped, or ended by its previous token, while this row was in flight
                 continue
@@ -578,5 +621,5 @@ class Slots:
                 reason = "length"
             if reason:
                 self._release(slot)
-            events.append(Event(i, token, reason))
+            events.append(Event(i, token, reason, logprobs[j] if logprobs else None))
         return events
