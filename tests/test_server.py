@@ -213,7 +213,10 @@ BAD_INPUT = [  # (body, status, words in the message): malformed requests and va
     ({"model": MODEL, "prompt": "hello " * 5000}, 400, "maximum context length"),  # context_length_exceeded
     ('{"model": "%s", "prompt": "\\ud800 lone"}' % MODEL, 400, "surrogate"),
     ("[" * 100000 + "]" * 100000, 400, "nests too deeply"),
-    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 65}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"50": 5}}, 400, "logit_bias: Strata does not support"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 2}, 400, "echo with logprobs"),
     ({"model": MODEL, "prompt": [1, 99999999]}, 400, "vocabulary"),
 ]
 

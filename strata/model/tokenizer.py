@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -87,6 +87,23 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when it holds part of a UTF-8 character (which `decode` of the
+        token alone turns into U+FFFD): byte-level BPE pieces through GPT-2's byte alphabet, `<0xAB>` byte tokens."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.backend.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        table = _byte_alphabet()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
+
     @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
@@ -115,6 +132,21 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], **extra) -> list[int]:
         # the rendered template carries its own BOS where the model wants one
         return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the other 68
+    bytes for the code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _token_text(token) -> str | None:

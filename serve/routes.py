@@ -1,0 +1,348 @@
+"""The OpenAI endpoints: a body in, engine jobs out, their tokens streamed or gathered back as OpenAI objects.
+
+`serve/requests.py` turns a body into engine requests and `serve/responses.py` turns tokens into response objects;
+this module does the I/O between them: submitting jobs, following their tokens, clients that leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from serve.config import ServeSettings
+from serve.engine_client import EngineClient, EngineDied, EngineFull, EngineRefused, Job
+from serve.errors import RETRY_AFTER_S, APIError, invalid_body
+from serve.metrics import Metrics, RequestRecord
+from serve.requests import Limits, chat_prompt, completion_prompt, engine_requests, tokenize_ids
+from serve.responses import Piece, chat_choice, completion_choice, gather, usage
+from serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                           TokenizeRequest)
+from serve.shutdown import Drain
+from serve.text import TextStream
+from strata.model.loader import ModelFiles
+from strata.protocol import Request as EngineRequest
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class Service:
+    """What the endpoints share: the model's files and limits, the engine client, the metrics, the drain."""
+
+    settings: ServeSettings
+    files: ModelFiles
+    name: str
+    limits: Limits
+    client: EngineClient
+    metrics: Metrics
+    drain: Drain
+
+    @property
+    def tokenizer(self):
+        return self.files.tokenizer
+
+
+async def read_body(http: Request, model: type, service: Service):
+    try:
+        data = await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply to read") from None
+    except ClientDisconnect:  # the client left while sending its body: nobody reads the answer
+        raise APIError(400, "the client disconnected before its request body was complete") from None
+    # A lone surrogate can only come from a \\uD800-\\uDFFF escape (raw UTF-8 cannot hold one): only a body with
+    # such an escape is serialized again to find it, so other requests pay a byte scan, not a second pass.
+    raw = await http.body()
+    try:
+        lone = (b"\\ud" in raw or b"\\uD" in raw) and _lone_surrogate(data)
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply to read") from None
+    if lone:
+        raise APIError(400, "the request holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff not "
+                            "paired with its other half): text must be valid Unicode")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        raise invalid_body(e) from None
+    if body.model is not None and body.model not in (service.name, service.settings.model):
+        raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{service.name}`",
+                       param="model", kind="NotFoundError")
+    return body
+
+
+def _lone_surrogate(data) -> bool:
+    """Whether a parsed JSON value holds a string with an unpaired UTF-16 surrogate (not encodable as UTF-8)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class Answer:
+    """The jobs of one request (one per sample), submitted to the engine and followed to their end."""
+
+    def __init__(self, service: Service, body: SamplingFields, ids: list[int], http: Request):
+        self.service, self.body, self.ids, self.http = service, body, ids, http
+        self.requests = engine_requests(body, ids, service.limits)
+        self.request_id = uuid.uuid4().hex[:16]
+        self.jobs: list[Job] = []
+
+    async def submit(self) -> None:
+        """Send every sample to the engine and wait for each to be taken (it then waits for a slot or runs)."""
+        if self.service.drain.draining:
+            raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
+                           kind="service_unavailable")
+        try:
+            for index, request in enumerate(self.requests):
+                self.jobs.append(self._submit_one(request, index))
+            for job in self.jobs:
+                await self.service.client.accept(job)
+        except BaseException as e:
+            for job in self.jobs:
+                self.service.client.abandon(job)
+            if isinstance(e, EngineDied):
+                raise APIError(503, str(e), kind="service_unavailable") from None
+            if isinstance(e, EngineFull):
+                raise APIError(429, f"the server is busy: {e}", kind="rate_limit_exceeded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(e, EngineRefused):
+                if e.code == "invalid":
+                    raise APIError(400, str(e)) from None
+                raise APIError(500, str(e), kind="internal_server_error") from None
+            raise
+
+    def _submit_one(self, request: EngineRequest, index: int) -> Job:
+        suffix = f"-{index}" if len(self.requests) > 1 else ""
+        record = RequestRecord(self.request_id + suffix, len(request.ids), request.max_new, time.monotonic())
+        return self.service.client.submit(request, record)
+
+    def usage(self) -> dict:
+        return usage(len(self.ids), sum(len(j.generated) for j in self.jobs))
+
+    async def pieces(self, index: int) -> AsyncIterator[Piece]:
+        """Sample `index`'s answer as it comes: the tokens that came while the consumer was busy are taken together,
+        as one piece of text (when many streams share the event loop, a stream that fell behind catches up in
+        fewer, larger writes). The job is stopped if the consumer goes away or a stop string ends the text."""
+        job, client = self.jobs[index], self.service.client
+        stream = TextStream(self.service.tokenizer, self.body.stop_strings())
+        wants_logprobs = job.request.logprobs is not None
+        taken = 0
+        try:
+            while True:
+                try:
+                    item = job.events.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        if await self.http.is_disconnected():
+                            return
+                        continue
+                text, tokens = [], []
+                while isinstance(item, int):
+                    tokens.append(item)
+                    text.append(stream.push(item))
+                    if stream.stopped:
+                        client.abandon(job, reason="stop")
+                        yield self._piece(index, "".join(text), tokens, taken, wants_logprobs, "stop")
+                        return
+                    try:
+                        item = job.events.get_nowait()
+                    except asyncio.QueueEmpty:
+                        item = None
+                if tokens:
+                    yield self._piece(index, "".join(text), tokens, taken, wants_logprobs, None)
+                    taken += len(tokens)
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, tuple):
+                    yield Piece(index, stream.finish(), [], [] if wants_logprobs else None, item[1])
+                    return
+        finally:
+            client.abandon(job)  # no-op when it already ended
+
+    def _piece(self, index: int, text: str, tokens: list[int], taken: int, wants_logprobs: bool,
+               finish: str | None) -> Piece:
+        entries = self.jobs[index].logprobs[taken: taken + len(tokens)] if wants_logprobs else None
+        return Piece(index, text, tokens, entries, finish)
+
+    async def merged(self) -> AsyncIterator[Piece]:
+        """Every sample's pieces as they come, interleaved."""
+        if len(self.jobs) == 1:
+            async for piece in self.pieces(0):
+                yield piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def follow(index: int) -> None:
+            try:
+                async for piece in self.pieces(index):
+                    await queue.put(piece)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+            finally:
+                await queue.put(index)
+
+        tasks = [asyncio.create_task(follow(i)) for i in range(len(self.jobs))]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if isinstance(item, int):
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def abandon_on_disconnect(self) -> None:
+        """A non-streaming answer's client that leaves (times out, closes its connection) aborts the request at
+        once, while its tokens are still coming (a streaming response's disconnect cancels its generator
+        instead). Its body has been read, so the next ASGI message is the disconnect."""
+        while True:
+            message = await self.http.receive()
+            if message["type"] == "http.disconnect":
+                for job in self.jobs:
+                    self.service.client.abandon(job)
+                return
+
+
+def add_openai_routes(app: FastAPI, service: Service) -> None:
+    tokenizer = service.tokenizer
+
+    async def respond(answer: Answer, chat: bool, echo: str = ""):
+        body = answer.body
+        rid = ("chatcmpl-" if chat else "cmpl-") + answer.request_id
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        headers = _request_id_header(answer.http)
+
+        def choice(piece: Piece, delta: bool, first: bool = False, offset: int = 0) -> dict:
+            if chat:
+                return chat_choice(piece, tokenizer, delta, first)
+            return completion_choice(piece, tokenizer, offset)
+
+        if not body.stream:
+            per_sample: list[list[Piece]] = [[] for _ in answer.jobs]
+            watcher = asyncio.create_task(answer.abandon_on_disconnect())
+            try:
+                async for piece in answer.merged():
+                    per_sample[piece.index].append(piece)
+            except EngineRefused as e:
+                raise APIError(400, str(e)) from None
+            except EngineDied as e:  # the engine went away (it restarts) or the server shuts down: retry elsewhere
+                raise APIError(503, str(e), kind="service_unavailable") from None
+            finally:
+                watcher.cancel()
+            choices = []
+            for index, pieces in enumerate(per_sample):
+                whole = gather(pieces)
+                whole.index, whole.text = index, echo + whole.text
+                choices.append(choice(whole, delta=False, offset=len(echo)))
+            return _json({"id": rid, "object": kind, "created": created, "model": service.name,
+                          "choices": choices, "usage": answer.usage()}, headers)
+
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)
+
+        async def events() -> AsyncIterator[str]:
+            chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": service.name}
+
+            def sse(choices: list, **extra) -> str:
+                if continuous and "usage" not in extra:
+                    extra["usage"] = answer.usage()
+                return "data: " + json.dumps({**chunk, "choices": choices, **extra}) + "\n\n"
+
+            offsets = [0] * len(answer.jobs)
+            for index in range(len(answer.jobs)):
+                if chat:
+                    yield sse([choice(Piece(index, ""), True, first=True)])
+                elif echo:
+                    yield sse([choice(Piece(index, echo), True)])
+                    offsets[index] = len(echo)
+            try:
+                async for piece in answer.merged():
+                    if piece.text or piece.tokens or piece.finish is not None:
+                        yield sse([choice(piece, True, offset=offsets[piece.index])])
+                        offsets[piece.index] += len(piece.text)
+                if include_usage:
+                    yield sse([], usage=answer.usage())
+            except (EngineRefused, EngineDied) as e:
+                yield "data: " + json.dumps({"error": {"message": str(e), "type": "internal_server_error",
+                                                       "code": 500}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(http: Request):
+        body = await read_body(http, ChatCompletionRequest, service)
+        answer = Answer(service, body, chat_prompt(body, tokenizer), http)
+        await answer.submit()
+        return await respond(answer, chat=True)
+
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    async def completions(http: Request):
+        body = await read_body(http, CompletionRequest, service)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs: Strata does not report the prompt's log-probabilities; drop "
+                                "one of the two", param="echo")
+        ids, echo = completion_prompt(body, tokenizer)
+        answer = Answer(service, body, ids, http)
+        await answer.submit()
+        return await respond(answer, chat=False, echo=echo)
+
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(http: Request):
+        body = await read_body(http, TokenizeRequest, service)
+        ids = tokenize_ids(body, tokenizer)
+        out = {"count": len(ids), "max_model_len": service.limits.max_cells, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in ids]
+        return _json(out, _request_id_header(http))
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(http: Request):
+        body = await read_body(http, DetokenizeRequest, service)
+        bad = [i for i in body.tokens if i >= service.limits.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: {bad[0]} is outside the vocabulary (0..{service.limits.vocab_size - 1})",
+                           param="tokens")
+        return _json({"prompt": tokenizer.decode(body.tokens)}, _request_id_header(http))
+
+
+def _request_id_header(http: Request) -> dict[str, str]:
+    """`X-Request-Id` as the client sent it, echoed on the response."""
+    rid = http.headers.get("x-request-id")
+    return {"X-Request-Id": rid} if rid else {}
+
+
+def _json(content: dict, headers: dict[str, str]):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(content, headers=headers)
+
+
+REF_TEMPLATE = "#/components/schemas/{model}"
+BODY_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def request_body(model: type) -> dict:
+    """The OpenAPI requestBody of an endpoint that takes `model` as JSON."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}}

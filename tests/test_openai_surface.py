@@ -1,0 +1,140 @@
+"""The OpenAI surface agent clients use, against a real `strata serve` on the embedded default (the shared
+`server` fixture), through the official `openai` SDK and plain HTTP: logprobs, n samples, /tokenize and
+/detokenize, X-Request-Id, continuous usage in streams, and fields Strata refuses rather than ignores."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from strata.model.loader import ModelFiles
+
+    return ModelFiles.open("default").tokenizer
+
+
+def reference_steps(model, ids: list[int], steps: int) -> list[torch.Tensor]:
+    """transformers' log-softmax of the logits at each greedy step after `ids`."""
+    out = []
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            out.append(row)
+            ids.append(int(row.argmax()))
+    return out
+
+
+def test_chat_logprobs_are_transformers_log_softmax_streamed_or_not(client, server, tokenizer, hf_default_model):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    ids = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    for entry, ref in zip(content, reference_steps(hf_default_model, ids, 6)):
+        values, top = ref.topk(3)
+        assert entry.token == tokenizer.token_bytes(int(top[0])).decode()
+        assert entry.bytes == list(tokenizer.token_bytes(int(top[0])))
+        assert entry.logprob == pytest.approx(float(values[0]), abs=2e-3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.token_bytes(int(t)).decode() for t in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=2e-3)
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # the second request reuses the first's prompt state, so its first row's logits come from another window shape
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_completion_logprobs_tokens_offsets_and_top(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and value <= 0
+        assert top[chosen] == pytest.approx(value)  # greedy: the chosen token is the most likely one
+        assert max(top.values()) == pytest.approx(value)
+
+
+def test_n_seeded_samples_differ_from_each_other_and_repeat(client):
+    kw = dict(model=MODEL, prompt="Write a word:", max_tokens=12, temperature=1.0, seed=11)
+    first = client.completions.create(n=3, **kw)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert [c.text for c in sorted(client.completions.create(n=3, **kw).choices, key=lambda c: c.index)] == texts
+    assert client.completions.create(**kw).choices[0].text == texts[0]  # sample 0 is the request's own seed
+    assert first.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) for c in client.completions.create(n=3, logprobs=0, **kw).choices)
+
+    streamed = {i: "" for i in range(3)}
+    for chunk in client.completions.create(n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    text = "Hello, naïve world"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert "".join(r["token_strs"]) == text and r["max_model_len"] > 0
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    both = httpx.post(server.url + "/tokenize", json={"prompt": "a", "messages": MESSAGES})
+    assert both.status_code == 400 and "either prompt or messages" in both.json()["error"]["message"]
+
+
+def test_request_id_is_echoed_and_usage_can_come_with_every_chunk(server):
+    body = {"model": MODEL, "prompt": "One two three", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}) as r:
+        assert r.headers["x-request-id"] == "trace-42"
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and seen == sorted(seen) and seen[-1] == 5
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "stream_options": None},
+                       headers={"X-Request-Id": "trace-43"})
+    assert plain.headers["x-request-id"] == "trace-43" and plain.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"logit_bias": {"5": 1}}, "logit_bias: Strata does not support this field"),
+    ({"top_logprobs": 2}, "set logprobs to true"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi", "audio": {}}]}, "messages.0.audio"),
+    ({"stream_options": {"include_usage": True, "unknown": 1}}, "stream_options.unknown"),
+])
+def test_fields_strata_does_not_honour_are_refused_by_name(server, extra, words):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_fields_that_change_nothing_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, user="u1", store=False,
+                                       metadata={"k": "v"}, service_tier="auto")
+    assert r.choices[0].message.content is not None
