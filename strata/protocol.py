@@ -5,8 +5,12 @@ Pure parsing and formatting; nothing here touches the model.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, fields
+
+from strata.grammar.constraint import KINDS, Constraint
 
 from strata.runtime.sampling import SamplingParams
 
@@ -31,6 +35,7 @@ class Request:
     ignore_eos: bool
     ids: list[int]
     logprobs: int | None = None  # log-probabilities to report with each token: None none, k >= 0 its own and k top
+    grammar: Constraint | None = None  # the answer follows this constraint (structured output, forced tool calls)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ def _request(words: list[str]) -> Request:
     stop_ids: set[int] = set()
     ignore_eos = False
     logprobs = None
+    grammar = None
     ids: list[int] = []
     for word in words[1:]:
         if "=" not in word:
@@ -87,7 +93,7 @@ def _request(words: list[str]) -> Request:
         if ids:
             raise ProtocolError(f"key {word!r} after the token ids; keys come first")
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -96,6 +102,8 @@ def _request(words: list[str]) -> Request:
                 sampling[key] = int(value)
             elif key == "stop":
                 stop_ids |= {int(v) for v in value.split(",") if v}
+            elif key == "grammar":
+                grammar = decode_constraint(value)
             elif key == "logprobs":
                 logprobs = int(value)
                 if not 0 <= logprobs <= MAX_LOGPROBS:
@@ -106,7 +114,23 @@ def _request(words: list[str]) -> Request:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
         raise ProtocolError("ADD has no prompt token ids")
-    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs)
+    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs, grammar)
+
+
+def encode_constraint(constraint: Constraint) -> str:
+    """A constraint as one word: base64url of the JSON list [kind, text]."""
+    raw = json.dumps([constraint.kind, constraint.text], ensure_ascii=False).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_constraint(word: str) -> Constraint:
+    try:
+        kind, text = json.loads(base64.urlsafe_b64decode(word + "=" * (-len(word) % 4)))
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        raise ProtocolError("grammar=: not base64url of a JSON list [kind, text]") from None
+    if kind not in KINDS or not isinstance(text, str):
+        raise ProtocolError(f"grammar=: kind {kind!r} is not one of {', '.join(KINDS)}")
+    return Constraint(kind, text)
 
 
 def command_id(line: str) -> str | None:
@@ -149,6 +173,8 @@ def format_request(request: Request) -> str:
         keys.append("ignore_eos=1")
     if request.logprobs is not None:
         keys.append(f"logprobs={request.logprobs}")
+    if request.grammar is not None:
+        keys.append("grammar=" + encode_constraint(request.grammar))
     return " ".join([str(request.max_new), *keys, *map(str, request.ids)])
 
 
