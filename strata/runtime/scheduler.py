@@ -157,7 +157,7 @@ class Scheduler:
                                             -self.slots.slots[i].released))
             try:
                 reused = self.slots.admit(best, request.ids, request.max_new, request.params, self._stops(request),
-                                          logprobs=request.logprobs)
+                                          logprobs=request.logprobs, grammar=request.grammar)
             except StrataError as e:
                 self.emit(protocol.err(rid, protocol.ERR_INVALID, str(e)))
                 continue

@@ -29,6 +29,7 @@ window built.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,8 +42,10 @@ from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.window import Segment, Window, host_copy, row_tensor
+from strata.grammar import Constraint, GrammarMatcher, apply_bitmask, fill_bitmask, new_bitmask
 from strata.state.session import SessionState
 
+log = logging.getLogger("strata.engine")
 _order = itertools.count(1)  # admissions and releases, in the order they happened
 
 
@@ -62,6 +65,7 @@ class Slot:
     draft_len: int = 0  # drafts it may propose next (`--spec`): one more than it had accepted last time
     mtp_drafts: list[int] = field(default_factory=list)  # what the MTP layer drafted after its last window
     logprobs: int | None = None  # report each token's log-probability and this many top ones (None: none)
+    matcher: "GrammarMatcher | None" = None  # the constraint its answer follows (structured output), or None
     admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
     released: int = 0  # when it last went idle (`_order`)
 
@@ -178,14 +182,17 @@ class Slots:
         params.validate()
 
     def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), logprobs: int | None = None) -> int:
+              stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), logprobs: int | None = None,
+              grammar: Constraint | None = None) -> int:
         """Give the slot a request; its prompt is read in the next windows (`step`, `run_slots`). Returns the
         prompt tokens reused instead of read.
 
         The longest reusable prefix of the prompt that the slot itself, another idle slot, an `idle` sequence or a
         parked conversation holds is kept (`Engine.reuse`; what the slot held otherwise is parked) and only the
         rest is read; at least one token is always read, since its row gives the first new token. `logprobs`: each
-        token's event carries its log-probability and this many top ones (`Event.logprobs`)."""
+        token's event carries its log-probability and this many top ones (`Event.logprobs`). `grammar`: each token is
+        sampled among those the constraint allows (StrataError when it cannot be compiled); the answer ends when the
+        grammar does."""
         slot = self.check_slot(index)
         if slot.active:
             raise StrataError(f"slot {index} is busy; stop it and wait for its end first")
@@ -196,9 +203,11 @@ class Slots:
         self.check_request(prompt_ids, max_new, params)
         if logprobs is not None and not 0 <= logprobs <= self.engine.spec.vocab_size:
             raise StrataError(f"logprobs={logprobs}: top log-probabilities must be 0 to the vocabulary's size")
+        matcher = GrammarMatcher(self.engine.grammars.compile(grammar)) if grammar is not None else None
         tok = self.engine.tokenizer
         slot.stop_ids = (tok.stop_ids if tok else frozenset()) if stop_ids is None else stop_ids
         slot.params, slot.max_new, slot.num_prompt, slot.logprobs = params, max_new, len(prompt_ids), logprobs
+        slot.matcher = matcher
         slot.generated = []
         slot.draft_len = self.speculative.num_speculative_tokens if self.speculative else 0
         slot.seen_prompt = slot.counts = None
@@ -294,7 +303,11 @@ class Slots:
         group's window to run meanwhile."""
         for _ in range(self.lookahead + 1):
             for g in range(len(self.groups)):
-                if sum(sw.group == g for sw in self._flight) <= self.lookahead:
+                # a constrained slot's mask follows its last token, which the host must have read: its group runs
+                # no window ahead while it is active
+                ahead = 0 if any(self.slots[i].matcher is not None and self.slots[i].active
+                                 for i in self.groups[g]) else self.lookahead
+                if sum(sw.group == g for sw in self._flight) <= ahead:
                     self._launch(g)
         return self._read(self._flight.popleft()) if self._flight else []
 
@@ -365,6 +378,8 @@ class Slots:
             slot = self.slots[i]
             if room <= 0:
                 break
+            if slot.matcher is not None:  # its mask follows each token: no drafts
+                continue
             k = min(slot.draft_len, room, slot.max_new - len(slot.generated) - 1,
                     slot.state.max_cells - slot.state.length - 2)
             if k < 1:
@@ -413,10 +428,23 @@ class Slots:
         if self.mtp is not None:
             sw.hidden = self.mtp.hidden
         positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
-        sw.sampled = self._sample(sw.samplers, logits, [self.slots[i].params for i in sw.samplers], positions,
-                                  sw.drafts)
+        sw.sampled = self._sample(sw.samplers, self._masked(sw, logits), [self.slots[i].params for i in sw.samplers],
+                                  positions, sw.drafts)
         self._logprobs(sw, logits)
         sw.host, sw.copied = host_copy(sw.sampled)
+
+    def _masked(self, sw: SlotWindow, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each constrained sampler row's forbidden tokens at -inf (a copy; other rows unchanged
+        bit for bit, and the raw logits kept for log-probabilities). The masks are filled on the host from the
+        matchers, which have seen every token before this row's (`step` runs no window ahead of them)."""
+        rows = [(self.slots[i].matcher, j) for j, i in enumerate(sw.samplers) if self.slots[i].matcher is not None]
+        if not rows:
+            return logits
+        bitmask = new_bitmask(len(sw.samplers), self.engine.grammars.vocab)
+        fill_bitmask(bitmask, rows)
+        masked = logits.clone()
+        apply_bitmask(masked, bitmask, [j for _, j in rows])
+        return masked
 
     def _logprobs(self, sw: SlotWindow, logits: torch.Tensor) -> None:
         """For the sampler rows whose slot reports log-probabilities: the raw log-softmax of their logits (before
@@ -615,7 +643,11 @@ class Slots:
                 continue
             slot.generated.append(token)
             reason = None
-            if token in slot.stop_ids:
+            if slot.matcher is not None and not slot.matcher.accept(token):
+                log.warning("slot %d: token %d refused by its grammar (%s); the answer ends", i, token,
+                            slot.matcher.error)
+                reason = "stop"
+            if token in slot.stop_ids or (slot.matcher is not None and slot.matcher.is_finished()):
                 reason = "stop"
             elif len(slot.generated) >= slot.max_new or length + 1 >= slot.state.max_cells:
                 reason = "length"
