@@ -1,4 +1,5 @@
-"""From a request body to what the engine runs: the prompt's token ids and one engine request per sample.
+"""From a request body to what the engine runs: the prompt's token ids, the constraint its answer follows, how
+its tool calls are read, and one engine request per sample.
 
 Pure functions of the body, the tokenizer and the served model's limits; they raise `APIError` naming the field
 that cannot be served.
@@ -6,12 +7,16 @@ that cannot be served.
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 
 from serve.errors import APIError
-from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
+from serve.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields,
+                           TokenizeRequest)
+from serve.tools import HERMES, ToolFormat, template_messages, tool_format
 from strata.errors import StrataError
+from strata.grammar import Constraint, tool_call_constraint
 from strata.model.tokenizer import Tokenizer
 from strata.protocol import Request as EngineRequest
 from strata.runtime.sampling import SamplingParams
@@ -33,15 +38,145 @@ def sample_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed + index * _GOLDEN) % 2**63
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat answer's tool calls are read: the model's format (`serve.tools`), the names it may call (a call
+    to any other is content), whether it may make several (`parallel_tool_calls`; when not, the answer ends with
+    its first call), and whether the grammar forces a call (`tool_choice` "required" or a named function)."""
+
+    fmt: ToolFormat
+    names: frozenset[str]
+    parallel: bool
+    forced: bool = False
+
+
+def tool_plan(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer,
+              family: str | None = None) -> ToolPlan | None:
+    """Check `tools` and `tool_choice` together; the plan when tools are offered (None without tools, or with
+    `tool_choice` "none": the answer is plain text)."""
+    tools = body.tools or []
+    names = [t.function.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise APIError(400, f"tools: two tools are named {twice[0]!r}; tool names must be unique", param="tools")
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        wanted = choice if isinstance(choice, str) else f"the function {choice.function.name!r}"
+        raise APIError(400, f"tool_choice: {wanted!r} needs tools, and the request offers none (send `tools`, or "
+                            "leave tool_choice out)", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(400, f"tool_choice: names the function {choice.function.name!r}, which is not among the tools "
+                            f"({', '.join(names)})", param="tool_choice")
+    if not tools or body.tool_choice_value() == "none":
+        return None
+    fmt = tool_format(tokenizer.chat_template, family)
+    if fmt is None:
+        raise APIError(400, "tools: this model's chat template asks for a tool-call format Strata does not read yet "
+                            "(Qwen3-Coder's XML calls, `<function=...>`), so it refuses tools rather than misread "
+                            "the model's calls", param="tools")
+    parallel = getattr(body, "parallel_tool_calls", True)
+    return ToolPlan(fmt, frozenset(names), parallel, forced=body.tool_choice_value() != "auto")
+
+
 def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer,
                 add_generation_prompt: bool = True) -> list[int]:
+    """The messages, and the tools offered, through the model's chat template (`serve.tools.template_messages`:
+    the template's own `tools` where it reads them, else Strata's Hermes prompt in the system message)."""
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: set logprobs to true to get top log-probabilities", param="top_logprobs")
+    for i, m in enumerate(body.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise APIError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                           param=f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise APIError(400, f"messages.{i}.tool_call_id: only tool messages answer a call",
+                           param=f"messages.{i}.tool_call_id")
+    choice = body.tool_choice_value()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    messages, extra = template_messages([m.as_openai() for m in body.messages], tools or None,
+                                        tokenizer.chat_template,
+                                        choice if isinstance(choice, str) else choice.model_dump())
     try:
-        return tokenizer.encode_chat([m.as_template_message() for m in body.messages],
-                                     add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
     except StrataError as e:
         raise APIError(400, str(e), param="messages") from None
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_constraint(body: SamplingFields, plan: ToolPlan | None = None) -> tuple[Constraint | None, str | None]:
+    """The constraint the answer follows and the field it came from (None, None: unconstrained): `response_format`
+    (json_object, json_schema; text is none), vLLM's `structured_outputs` and `guided_*`, or a forced tool call
+    (`tool_choice` "required" or a named function, with `plan`). More than one is refused, naming two of them."""
+    found: list[tuple[str, object]] = []  # (field, a function making the constraint)
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", Constraint.json_object))
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_
+        found.append(("response_format", lambda: Constraint.json_schema(True if schema is None else schema)))
+    so = body.structured_outputs
+    if so is not None:
+        given = [k for k in _STRUCTURED_KEYS if getattr(so, "json_" if k == "json" else k) not in (None, False)]
+        if not given:
+            raise APIError(400, "structured_outputs: set one of " + ", ".join(_STRUCTURED_KEYS),
+                           param="structured_outputs")
+        for key in given:
+            found.append((f"structured_outputs.{key}", _structured(key, getattr(so, "json_" if key == "json" else key),
+                                                                  f"structured_outputs.{key}")))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            found.append((f"guided_{key}", _structured(key, value, f"guided_{key}")))
+    if plan is not None and plan.forced:
+        found.append(("tool_choice", lambda: forced_call_constraint(body, plan)))
+    if len(found) > 1:
+        (first, _), (second, _) = found[:2]
+        raise APIError(400, f"{first} and {second}: each constrains the answer, and a request takes one constraint; "
+                            "send only one of them", param=second)
+    if not found:
+        return None, None
+    param, make = found[0]
+    try:
+        return make(), param
+    except StrataError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def _structured(key: str, value, param: str):
+    """The maker of a `structured_outputs` / `guided_*` constraint."""
+    def make() -> Constraint:
+        if key == "json":
+            schema = value
+            if isinstance(value, str):
+                try:
+                    schema = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise StrataError(f"the schema is not valid JSON: {e}") from None
+            return Constraint.json_schema(schema)
+        if key == "json_object":
+            return Constraint.json_object()
+        return getattr(Constraint, key)(value)
+    return make
+
+
+def forced_call_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint:
+    """`tool_choice` "required" (any tool; several calls with `parallel_tool_calls` where the format separates
+    them) or a named function (one call of it), in the text form the model writes calls in, so the parser
+    (`serve.tools`) reads the forced call like any other: Hermes' `<tool_call>` blocks, or Llama 3's bare JSON
+    object with "parameters"."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    choice = body.tool_choice_value()
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    fmt = plan.fmt
+    if (fmt.prefix, fmt.suffix, fmt.separator) == (HERMES.prefix, HERMES.suffix, HERMES.separator):
+        # strata.grammar.tools writes the same text: "<tool_call>\n" json "\n</tool_call>", blocks "\n" apart
+        return tool_call_constraint(tools, name, wrap="hermes", parallel=plan.parallel and name is None,
+                                    arguments_key=fmt.arguments_key)
+    if fmt.prefix == fmt.suffix == "":  # the call's JSON alone (Llama 3): one call
+        return tool_call_constraint(tools, name, arguments_key=fmt.arguments_key)
+    raise StrataError(f"a forced call in the {fmt.name} format is not available yet; use tool_choice \"auto\"")
 
 
 def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
@@ -57,14 +192,17 @@ def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[li
     return ids, echo
 
 
-def tokenize_ids(body: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+def tokenize_ids(body: TokenizeRequest, tokenizer: Tokenizer, family: str | None = None) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
     if body.messages is not None:
         if body.add_special_tokens:
             raise APIError(400, "add_special_tokens: chat messages take their special tokens from the chat template",
                            param="add_special_tokens")
+        tool_plan(body, tokenizer, family)  # the checks a chat request gets
         return chat_prompt(body, tokenizer, add_generation_prompt=body.add_generation_prompt)
+    if body.tools is not None or body.tool_choice is not None:
+        raise APIError(400, "tools: tools go into a chat prompt; send messages with them", param="tools")
     return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
 
 
@@ -79,8 +217,10 @@ def check_prompt(ids: list[int], limits: Limits) -> None:
                        param="messages", code="context_length_exceeded")
 
 
-def engine_requests(body: SamplingFields, ids: list[int], limits: Limits) -> list[EngineRequest]:
-    """One engine request per sample (`n`), sample i seeded `sample_seed(seed, i)`."""
+def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
+                    grammar: Constraint | None = None) -> list[EngineRequest]:
+    """One engine request per sample (`n`), sample i seeded `sample_seed(seed, i)`, each constrained by
+    `grammar` (the engine keeps one matcher per request)."""
     check_prompt(ids, limits)
     if any(not 0 <= i < limits.vocab_size for i in body.stop_token_ids or []):
         raise APIError(400, "stop_token_ids: a token id is outside the vocabulary "
@@ -110,5 +250,5 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits) -> lis
             raise APIError(400, str(e)) from None
         out.append(EngineRequest(max_tokens or limits.max_cells - len(ids), params,
                                  frozenset(body.stop_token_ids or []), body.ignore_eos, ids,
-                                 body.top_logprobs_wanted()))
+                                 body.top_logprobs_wanted(), grammar=grammar))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serve.tools import add_delta, join_deltas
 from strata.model.tokenizer import Tokenizer
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the top (id, log-probability)
@@ -21,14 +22,16 @@ class Piece:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
     finish: str | None = None
+    deltas: list[dict] | None = None  # with tools offered: the text as parsed (serve.tools.ToolCallStream deltas)
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's values: "length" when max_tokens or the context ran out; "stop" for a stop token or string (and an
-    abort, which only a stream whose client is gone sees)."""
+    """OpenAI's values: "length" when max_tokens or the context ran out; "tool_calls" when the answer called a
+    tool (and did not run out); "stop" for a stop token or string (and an abort, which only a stream whose client
+    is gone sees)."""
     if reason is None:
         return None
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def usage(num_prompt: int, num_generated: int) -> dict:
@@ -70,6 +73,15 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[int], entries: list[L
 def chat_choice(piece: Piece, tokenizer: Tokenizer, delta: bool, first: bool = False) -> dict:
     """A chat choice: the whole message (`delta` False) or a stream chunk's delta (the role on the `first`)."""
     logprobs = chat_logprobs(tokenizer, piece.tokens, piece.logprobs) if piece.logprobs is not None else None
+    if piece.deltas is not None and not first:
+        if delta:
+            raise ValueError("a parsed piece streams as several choices: use chat_delta_choices")
+        content, calls = join_deltas(piece.deltas)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return {"index": piece.index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason(piece.finish)}
     if delta:
         message = {"role": "assistant", "content": piece.text} if first else (
             {"content": piece.text} if piece.text or piece.finish is None else {})
@@ -77,6 +89,21 @@ def chat_choice(piece: Piece, tokenizer: Tokenizer, delta: bool, first: bool = F
                 "finish_reason": finish_reason(piece.finish)}
     return {"index": piece.index, "message": {"role": "assistant", "content": piece.text}, "logprobs": logprobs,
             "finish_reason": finish_reason(piece.finish)}
+
+
+def chat_delta_choices(piece: Piece, tokenizer: Tokenizer) -> list[dict]:
+    """A piece's stream choices, one per chunk. Plain text: one. Parsed for tool calls: one per delta as vLLM
+    streams them (content; a call's id and name; its argument pieces), the piece's log-probabilities and finish
+    reason on the last, an empty delta carrying them where the piece's text gave no delta (held back, or the end);
+    none where there is nothing to say."""
+    if piece.deltas is None:
+        return [chat_choice(piece, tokenizer, delta=True)]
+    logprobs = chat_logprobs(tokenizer, piece.tokens, piece.logprobs) if piece.logprobs else None
+    deltas = piece.deltas or ([{}] if logprobs is not None or piece.finish is not None else [])
+    out = [{"index": piece.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if out:
+        out[-1]["logprobs"], out[-1]["finish_reason"] = logprobs, finish_reason(piece.finish)
+    return out
 
 
 def completion_choice(piece: Piece, tokenizer: Tokenizer, offset: int = 0) -> dict:
@@ -94,5 +121,9 @@ def gather(pieces: list[Piece]) -> Piece:
         out.tokens += p.tokens
         if p.logprobs is not None:
             out.logprobs = (out.logprobs or []) + p.logprobs
+        if p.deltas is not None:
+            out.deltas = out.deltas if out.deltas is not None else []
+            for d in p.deltas:
+                add_delta(out.deltas, d)
         out.finish = p.finish or out.finish
     return out

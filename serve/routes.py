@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -22,12 +23,16 @@ from serve.config import ServeSettings
 from serve.engine_client import EngineClient, EngineDied, EngineFull, EngineRefused, Job
 from serve.errors import RETRY_AFTER_S, APIError, invalid_body
 from serve.metrics import Metrics, RequestRecord
-from serve.requests import Limits, chat_prompt, completion_prompt, engine_requests, tokenize_ids
-from serve.responses import Piece, chat_choice, completion_choice, gather, usage
+from serve.requests import (Limits, ToolPlan, chat_prompt, completion_prompt, engine_requests, request_constraint,
+                            tokenize_ids, tool_plan)
+from serve.responses import Piece, chat_choice, chat_delta_choices, completion_choice, gather, usage
 from serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                            TokenizeRequest)
 from serve.shutdown import Drain
 from serve.text import TextStream
+from serve.tools import ToolCallStream, add_delta
+from strata.errors import StrataError
+from strata.grammar import Constraint, GrammarVocab, Grammars
 from strata.model.loader import ModelFiles
 from strata.protocol import Request as EngineRequest
 
@@ -45,10 +50,29 @@ class Service:
     client: EngineClient
     metrics: Metrics
     drain: Drain
+    _grammars: Grammars | None = None
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def tokenizer(self):
         return self.files.tokenizer
+
+    def grammars(self) -> Grammars:
+        """The compiled-grammar cache, built on first use (reading the vocabulary takes ~0.3 s at 49K tokens)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(GrammarVocab.build(self.tokenizer, width=self.files.spec.vocab_size))
+            return self._grammars
+
+    async def check_constraint(self, constraint: Constraint | None, param: str | None) -> None:
+        """Compile the constraint before the engine gets it (~1 ms, cached; the engine compiles it again in its
+        own process), so one the library cannot compile gets a 400 naming the field and the reason at once."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(lambda: self.grammars().compile(constraint))
+        except StrataError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
 
 
 async def read_body(http: Request, model: type, service: Service):
@@ -92,9 +116,11 @@ def _lone_surrogate(data) -> bool:
 class Answer:
     """The jobs of one request (one per sample), submitted to the engine and followed to their end."""
 
-    def __init__(self, service: Service, body: SamplingFields, ids: list[int], http: Request):
+    def __init__(self, service: Service, body: SamplingFields, ids: list[int], http: Request,
+                 grammar: Constraint | None = None, tools: ToolPlan | None = None):
         self.service, self.body, self.ids, self.http = service, body, ids, http
-        self.requests = engine_requests(body, ids, service.limits)
+        self.tools = tools  # tools offered: each sample's text is parsed for calls
+        self.requests = engine_requests(body, ids, service.limits, grammar)
         self.request_id = uuid.uuid4().hex[:16]
         self.jobs: list[Job] = []
 
@@ -133,9 +159,14 @@ class Answer:
     async def pieces(self, index: int) -> AsyncIterator[Piece]:
         """Sample `index`'s answer as it comes: the tokens that came while the consumer was busy are taken together,
         as one piece of text (when many streams share the event loop, a stream that fell behind catches up in
-        fewer, larger writes). The job is stopped if the consumer goes away or a stop string ends the text."""
+        fewer, larger writes). The job is stopped if the consumer goes away or a stop string ends the text, or,
+        with tools offered and `parallel_tool_calls` false, when its first call has been read: the slot is freed
+        at once, and the answer's finish reason is "tool_calls". With tools, each token's text goes through a
+        `ToolCallStream` and the pieces carry its deltas."""
         job, client = self.jobs[index], self.service.client
         stream = TextStream(self.service.tokenizer, self.body.stop_strings())
+        calls = ToolCallStream(self.tools.fmt, self.tools.names) if self.tools is not None else None
+        one_call = self.tools is not None and not self.tools.parallel
         wants_logprobs = job.request.logprobs is not None
         taken = 0
         try:
@@ -150,32 +181,57 @@ class Answer:
                             return
                         continue
                 text, tokens = [], []
+                deltas = [] if calls is not None else None
                 while isinstance(item, int):
                     tokens.append(item)
-                    text.append(stream.push(item))
-                    if stream.stopped:
+                    released = stream.push(item)
+                    text.append(released)
+                    if calls is not None and released:
+                        for d in calls.feed(released):
+                            add_delta(deltas, d)
+                    if stream.stopped or (one_call and calls.ended):
                         client.abandon(job, reason="stop")
-                        yield self._piece(index, "".join(text), tokens, taken, wants_logprobs, "stop")
+                        piece = self._piece(index, "".join(text), tokens, taken, wants_logprobs, "stop", deltas)
+                        yield self._last(piece, calls)
                         return
                     try:
                         item = job.events.get_nowait()
                     except asyncio.QueueEmpty:
                         item = None
                 if tokens:
-                    yield self._piece(index, "".join(text), tokens, taken, wants_logprobs, None)
+                    yield self._piece(index, "".join(text), tokens, taken, wants_logprobs, None, deltas)
                     taken += len(tokens)
                 if isinstance(item, Exception):
                     raise item
                 if isinstance(item, tuple):
-                    yield Piece(index, stream.finish(), [], [] if wants_logprobs else None, item[1])
+                    tail = stream.finish()
+                    deltas = [] if calls is not None else None
+                    if calls is not None and tail:
+                        for d in calls.feed(tail):
+                            add_delta(deltas, d)
+                    piece = Piece(index, tail, [], [] if wants_logprobs else None, item[1], deltas)
+                    yield self._last(piece, calls)
                     return
         finally:
             client.abandon(job)  # no-op when it already ended
 
     def _piece(self, index: int, text: str, tokens: list[int], taken: int, wants_logprobs: bool,
-               finish: str | None) -> Piece:
+               finish: str | None, deltas: list[dict] | None = None) -> Piece:
         entries = self.jobs[index].logprobs[taken: taken + len(tokens)] if wants_logprobs else None
-        return Piece(index, text, tokens, entries, finish)
+        return Piece(index, text, tokens, entries, finish, deltas)
+
+    @staticmethod
+    def _last(piece: Piece, calls: ToolCallStream | None) -> Piece:
+        """The answer's last piece: with tools, the parser flushed (held-back text, a call cut off by the end) and
+        the finish reason "tool_calls" when a call was made (unless the answer ran out of tokens: "length")."""
+        if calls is None:
+            return piece
+        rest, called = calls.finish()
+        for d in rest:
+            add_delta(piece.deltas, d)
+        if called and piece.finish != "length":
+            piece.finish = "tool_calls"
+        return piece
 
     async def merged(self) -> AsyncIterator[Piece]:
         """Every sample's pieces as they come, interleaved."""
@@ -236,6 +292,11 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
                 return chat_choice(piece, tokenizer, delta, first)
             return completion_choice(piece, tokenizer, offset)
 
+        def stream_choices(piece: Piece, offset: int) -> list[dict]:
+            if chat:
+                return chat_delta_choices(piece, tokenizer)
+            return [completion_choice(piece, tokenizer, offset)]
+
         if not body.stream:
             per_sample: list[list[Piece]] = [[] for _ in answer.jobs]
             watcher = asyncio.create_task(answer.abandon_on_disconnect())
@@ -278,7 +339,8 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
             try:
                 async for piece in answer.merged():
                     if piece.text or piece.tokens or piece.finish is not None:
-                        yield sse([choice(piece, True, offset=offsets[piece.index])])
+                        for c in stream_choices(piece, offsets[piece.index]):
+                            yield sse([c])
                         offsets[piece.index] += len(piece.text)
                 if include_usage:
                     yield sse([], usage=answer.usage())
@@ -292,7 +354,11 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(http: Request):
         body = await read_body(http, ChatCompletionRequest, service)
-        answer = Answer(service, body, chat_prompt(body, tokenizer), http)
+        plan = tool_plan(body, tokenizer, service.files.family.name)
+        ids = chat_prompt(body, tokenizer)
+        constraint, param = request_constraint(body, plan)
+        await service.check_constraint(constraint, param)
+        answer = Answer(service, body, ids, http, constraint, plan)
         await answer.submit()
         return await respond(answer, chat=True)
 
@@ -303,14 +369,16 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
             raise APIError(400, "echo with logprobs: Strata does not report the prompt's log-probabilities; drop "
                                 "one of the two", param="echo")
         ids, echo = completion_prompt(body, tokenizer)
-        answer = Answer(service, body, ids, http)
+        constraint, param = request_constraint(body)
+        await service.check_constraint(constraint, param)
+        answer = Answer(service, body, ids, http, constraint)
         await answer.submit()
         return await respond(answer, chat=False, echo=echo)
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(http: Request):
         body = await read_body(http, TokenizeRequest, service)
-        ids = tokenize_ids(body, tokenizer)
+        ids = tokenize_ids(body, tokenizer, service.files.family.name)
         out = {"count": len(ids), "max_model_len": service.limits.max_cells, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in ids]

@@ -356,13 +356,15 @@ class ToolCallStream:
     `{"content": ...}` until a call begins (text that may be the start of a marker is held back), then per call
     `{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}` once its name
     is read and `{"tool_calls": [{"index", "function": {"arguments": piece}}]}` whose pieces join into its
-    arguments. `finish` flushes and says whether a call was made (finish_reason "tool_calls")."""
+    arguments. `finish` flushes and says whether a call was made (finish_reason "tool_calls"). `ended` counts the
+    calls read to their end, so a server can end the answer at its first call (`parallel_tool_calls` false)."""
 
     def __init__(self, fmt: ToolFormat, names=None, make_id=new_call_id):
         self.fmt = fmt
         self.names = set(names) if names is not None else None  # a call to another name is content
         self.make_id = make_id
         self.calls = 0
+        self.ended = 0  # calls whose JSON has been read to its end (or to where it broke): no more arguments come
         self._buf = ""  # text read but not decided yet
         self._ws = ""  # whitespace held at the end of the content
         self._mode = "text"  # text, opening, call, after (to the end marker), broken (content to the end marker)
@@ -395,15 +397,7 @@ class ToolCallStream:
             pass
 
     def _emit(self, delta: dict) -> None:
-        """Add a delta, joined to the last one when both are content or both arguments (of one call: the next
-        call's header comes between)."""
-        last = self._out[-1] if self._out else {}
-        if "content" in delta and "content" in last:
-            last["content"] += delta["content"]
-        elif _arguments_piece(delta) and _arguments_piece(last):
-            last["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"]["arguments"]
-        else:
-            self._out.append(delta)
+        add_delta(self._out, delta)
 
     def _content(self, text: str) -> None:
         full = self._ws + text
@@ -523,6 +517,7 @@ class ToolCallStream:
             self._mode = "broken" if self.fmt.end else "text"
             return
         self._send_arguments(call, final=True)
+        self.ended += 1
         self._mode = "after" if self.fmt.end else "text"
         self._json_may_open = complete and not self.fmt.end
 
@@ -549,6 +544,18 @@ class ToolCallStream:
             self._content(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
+
+
+def add_delta(deltas: list[dict], delta: dict) -> None:
+    """Append a delta to `deltas`, joined to the last one when both are content or both arguments (of one call:
+    the next call's header comes between), so a stream sends as few chunks as the parse allows."""
+    last = deltas[-1] if deltas else {}
+    if "content" in delta and "content" in last:
+        last["content"] += delta["content"]
+    elif _arguments_piece(delta) and _arguments_piece(last):
+        last["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"]["arguments"]
+    else:
+        deltas.append(delta)
 
 
 def _arguments_piece(delta: dict) -> bool:
