@@ -35,6 +35,7 @@ ASK = [{"role": "user", "content": "What will the weather be in Paris for the ne
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 TRIP = {"type": "object", "properties": WEATHER_PARAMETERS["properties"], "required": ["city", "days"],
         "additionalProperties": False}
+TRIP_FORMAT = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}}
 PLAIN_PROMPTS = ["Name three colours.", "Count from one to five.", "What is the capital of Italy?"]
 
 
@@ -214,10 +215,88 @@ def test_guided_choice_and_regex(client, endpoint):
     assert ask(structured_outputs={"choice": choices})[0] in choices
 
 
+# -- the pure functions: constraints and the parser agree ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from strata.grammar import GrammarVocab, Grammars
+    from strata.model.loader import ModelFiles
+
+    files = ModelFiles.open("default")
+    return files.tokenizer, Grammars(GrammarVocab.build(files.tokenizer, width=files.spec.vocab_size))
+
+
+def accepts(grammars, constraint, text: str) -> bool:
+    """Whether the compiled constraint takes `text` (as the tokenizer spells it) as a whole answer."""
+    from strata.grammar import GrammarMatcher
+
+    tokenizer, cache = grammars
+    matcher = GrammarMatcher(cache.compile(constraint))
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.can_end()
+
+
+@pytest.mark.parametrize("fmt_name", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_is_written_as_the_parser_reads_it(grammars, fmt_name, choice):
+    """For each format the server forces calls in, a call as the model writes it is a whole answer of the forced
+    grammar and parses back into the same call; the other format's argument key is refused."""
+    from serve.requests import ToolPlan, forced_call_constraint
+    from serve.schemas import ChatCompletionRequest
+    from serve.tools import HERMES, LLAMA3_JSON, parse_tool_calls
+
+    fmt = {"hermes": HERMES, "llama3_json": LLAMA3_JSON}[fmt_name]
+    body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **FORCED[choice]})
+    constraint = forced_call_constraint(body, ToolPlan(fmt, frozenset(SCHEMAS), body.parallel_tool_calls, True))
+    arguments = {"city": "Oslo", "days": 4}
+
+    def written(key: str) -> str:
+        return fmt.prefix + json.dumps({"name": "get_weather", key: arguments}) + fmt.suffix
+
+    assert accepts(grammars, constraint, written(fmt.arguments_key))
+    other = "parameters" if fmt.arguments_key == "arguments" else "arguments"
+    assert not accepts(grammars, constraint, written(other))
+    assert not accepts(grammars, constraint, written(fmt.arguments_key).replace("4}", '"4"}'))  # not the schema
+    content, calls = parse_tool_calls(written(fmt.arguments_key), fmt, SCHEMAS)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", arguments)]
+    two = written(fmt.arguments_key) + fmt.separator + fmt.prefix + json.dumps(
+        {"name": "get_time", fmt.arguments_key: {"zone": "UTC"}}) + fmt.suffix
+    assert not accepts(grammars, constraint, two)  # one call: named, or parallel_tool_calls false
+    if fmt is HERMES and choice == "required":  # parallel calls: blocks a separator apart
+        body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+        parallel = forced_call_constraint(body, ToolPlan(fmt, frozenset(SCHEMAS), True, True))
+        assert accepts(grammars, parallel, two) and accepts(grammars, parallel, written("arguments"))
+        assert [c.name for c in parse_tool_calls(two, fmt, SCHEMAS)[1]] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("fields, kind, param", [
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"response_format": TRIP_FORMAT}, "json_schema", "response_format"),
+    ({"structured_outputs": {"json": json.dumps(TRIP)}}, "json_schema", "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
+    ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, "grammar", "structured_outputs.grammar"),
+    ({"guided_json": TRIP}, "json_schema", "guided_json"),
+    ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
+    ({"guided_grammar": 'start: "yes" | "no"'}, "grammar", "guided_grammar"),
+    ({"tools": TOOLS}, None, None),
+    ({"tools": TOOLS, "tool_choice": "none"}, None, None),
+    ({"tools": TOOLS, "tool_choice": "required"}, "grammar", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": NAMED}, "grammar", "tool_choice"),
+])
+def test_which_field_constrains_the_answer(grammars, fields, kind, param):
+    from serve.requests import request_constraint, tool_plan
+    from serve.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": ASK, **fields})
+    constraint, field = request_constraint(body, tool_plan(body, grammars[0], "llama"))
+    assert (constraint.kind if constraint else None, field) == (kind, param)
+    if constraint is not None:
+        grammars[1].compile(constraint)
+
+
 # -- bad input --------------------------------------------------------------------------------------------
-
-TRIP_FORMAT = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}}
-
 
 @pytest.mark.parametrize("extra, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
