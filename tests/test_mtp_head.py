@@ -132,3 +132,51 @@ def _tiny_end_to_end(tmp_path):
     assert loaded.config() == head.config()
     assert torch.equal(loaded.draft_vocab, vocab)
     torch.testing.assert_close(loaded.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+
+
+def test_answers_end_at_eos_and_noise_moves_only_the_inputs(tmp_path):
+    """Rows that pick the end token stop there (finished rows leave the batch in groups, and run on until then: what
+    they write past their end is dropped); training noise moves the hidden states the head reads, not the targets."""
+    from tests.tiny_models import build
+
+    m = _script()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = build("llama-gqa-tied", tmp_path / "tiny").float().eval()
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(4, 10))] for _ in range(16)]
+        sampled = [i % 2 == 1 for i in range(16)]
+        first = m.answer_batch(model, prompts, sampled, 24, 0.7, eos=-1, gen=torch.Generator().manual_seed(0))
+        # an end token the greedy answers pick early on
+        eos = int(torch.cat([s.greedy[s.prompt_len - 1:s.prompt_len + 4] for s, f in zip(first, sampled) if not f]
+                            ).mode().values)
+        seqs = m.answer_batch(model, prompts, sampled, 24, 0.7, eos=eos, gen=torch.Generator().manual_seed(0))
+    finally:
+        torch.set_num_threads(threads)
+    ended = 0
+    for s, p, was_sampled in zip(seqs, prompts, sampled):
+        answer = s.tokens[len(p):]
+        assert s.tokens[:len(p)].tolist() == p and len(answer) <= 23
+        assert s.hidden.shape[0] == s.greedy.shape[0] == s.top_ids.shape[0] == len(s.tokens)
+        for t in (s.tokens, s.hidden, s.top_ids):  # compact storage, not a view of the batch's buffers
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert eos not in answer.tolist(), "the end token is picked last, never fed"
+        if not was_sampled:
+            assert (s.tokens[1:] == s.greedy[:-1])[len(p) - 1:].all()
+            if len(answer) < 23:
+                assert int(s.greedy[-1]) == eos
+                ended += 1
+    assert ended >= 2
+    vocab = m.choose_draft_vocab(seqs, 64, 160)
+    index = torch.full((160,), -1, dtype=torch.int64)
+    index[vocab] = torch.arange(len(vocab))
+    clean = m.make_batch(seqs, 3, index)
+    noisy = m.make_batch(seqs, 3, index, noise=0.02, gen=torch.Generator().manual_seed(0))
+    assert clean.noisy_hidden is None and torch.equal(noisy.hidden, clean.hidden)
+    for j in range(3):
+        assert torch.equal(noisy.targets[j], clean.targets[j])
+    real = clean.hidden.abs().sum(-1) > 0
+    moved = (noisy.noisy_hidden - clean.hidden).norm(dim=-1)[real] / clean.hidden.norm(dim=-1)[real]
+    assert 0 < float(moved.mean()) < 0.06 and float(moved.max()) < 0.12
