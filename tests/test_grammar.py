@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from strata.errors import StrataError
-from strata.grammar import bitmask as bitmask_module
 from strata.grammar import (
     Constraint, GrammarMatcher, Grammars, GrammarVocab, allowed_tokens, apply_bitmask, fill_bitmask, new_bitmask,
     tool_call_constraint,
@@ -215,11 +214,8 @@ def test_batched_fill_equals_rows(tokenizer, grammars):
     assert (batched[[1, 3]] == -1).all()  # rows left to unconstrained sequences: untouched
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["row-by-row", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masking_leaves_unconstrained_rows_bit_identical(grammars, dtype, gathered, monkeypatch):
-    if gathered:  # the GPU's way, run on the CPU
-        monkeypatch.setattr(bitmask_module, "_apply_row_by_row", bitmask_module._apply_gathered)
+def test_masking_leaves_unconstrained_rows_bit_identical(grammars, dtype):
     vocab = grammars.vocab
     logits = torch.randn(4, vocab.width, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[0, 5] = float("nan")  # even a NaN of an unconstrained row keeps its bits
@@ -244,15 +240,19 @@ def test_masking_leaves_unconstrained_rows_bit_identical(grammars, dtype, gather
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_masking_on_the_gpu_equals_the_cpu(grammars):
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masking_on_the_gpu_equals_the_cpu(grammars, dtype, pinned):
     vocab = grammars.vocab
-    logits = torch.randn(3, vocab.width, generator=torch.Generator().manual_seed(1))
-    bitmask = new_bitmask(3, vocab)
+    logits = torch.randn(5, vocab.width, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bitmask = new_bitmask(5, vocab, pinned=pinned)
     GrammarMatcher(grammars.compile(Constraint.json_object())).fill(bitmask, 2)
+    GrammarMatcher(grammars.compile(Constraint.choice(["alpha", "beta"]))).fill(bitmask, 4)
     on_gpu = logits.cuda()
-    apply_bitmask(logits, bitmask, rows=[2])
-    apply_bitmask(on_gpu, bitmask, rows=[2])
-    assert torch.equal(on_gpu.cpu(), logits)
+    apply_bitmask(logits, bitmask, rows=[2, 4])  # the CPU's way, row by row
+    apply_bitmask(on_gpu, bitmask, rows=[2, 4])  # one kernel (strata.kernels.bitmask)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu().float(), logits.float())
 
 
 def _call(tokenizer, ids) -> dict:

@@ -79,3 +79,22 @@ def test_a_constraint_that_does_not_compile_is_refused_at_admission(default_engi
     with pytest.raises(StrataError, match="regex cannot be compiled"):
         slots.admit(0, [1, 2, 3], 4, grammar=Constraint.regex("(unclosed"))
     assert not slots.slots[0].active
+
+
+def test_a_constrained_row_reports_the_raw_log_probabilities(default_engine):
+    """Masks go on the logits in place unless a constrained row asks for log-probabilities: those stay the raw
+    distribution's, the same as an unconstrained row's on the same prompt."""
+    tok = default_engine.tokenizer
+    ids = prompt(tok, "Pick a colour.")
+    slots = default_engine.init_slots(2, lookahead=1)
+    slots.admit(0, ids, 1, logprobs=4)
+    slots.admit(1, ids, 1, grammar=Constraint.choice(["zebra"]), logprobs=4)
+    first = {}
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            first.setdefault(e.slot, e)
+    free, forced = first[0].logprobs, first[1].logprobs
+    assert tok.decode([first[1].token]) in "zebra" and first[1].token != first[0].token
+    assert [t for t, _ in forced[1]] == [t for t, _ in free[1]]  # the raw top 4, not the mask's one token
+    assert [lp for _, lp in forced[1]] == pytest.approx([lp for _, lp in free[1]], abs=1e-4)
+    assert forced[0] < free[1][-1][1]  # the forced token's raw log-probability: below the raw top 4

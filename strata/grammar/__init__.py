@@ -26,7 +26,9 @@ tokenizer.json read as it is. Nothing here knows the engine; the engine calls it
   [(matcher, row), ...])` fills a window's rows in one call on the library's threads.
 - `new_bitmask(rows, vocab)`, `apply_bitmask(logits, bitmask, rows)` (bitmask.py): one int32 bitmask
   [rows, ceil(V / 32)] per window on the host; applying it sets forbidden logits to -inf in the constrained rows
-  only (others bit for bit untouched), on the CPU or on the logits' GPU without waiting for it.
+  only (others bit for bit untouched), on the CPU or on the logits' GPU without waiting for it (one Triton kernel,
+  `strata.kernels.bitmask`). `HostBitmask(vocab, device)`: the engine's, one buffer reused every window (pinned
+  for a GPU, refilled once the device has read it).
 - `tool_call_schema(tools, name)`, `tool_call_constraint(tools, name, wrap="hermes")` (tools.py): the constraint
   behind `tool_choice: "required"` or a named function: one call `{"name": <const>, "arguments": <its parameters
   schema>}` (an anyOf over the tools, so the arguments follow the function named); for Hermes / Qwen the same
@@ -39,7 +41,7 @@ answer cannot stop early. When the grammar cannot go on (`is_finished()`: a clos
 the mask allows only the stop tokens; the engine ends the answer there without a step for it.
 """
 
-from strata.grammar.bitmask import allowed_tokens, apply_bitmask, new_bitmask
+from strata.grammar.bitmask import HostBitmask, allowed_tokens, apply_bitmask, new_bitmask
 from strata.grammar.compile import CompiledGrammar, Grammars
 from strata.grammar.constraint import Constraint
 from strata.grammar.matcher import GrammarMatcher, fill_bitmask
@@ -47,6 +49,6 @@ from strata.grammar.tools import tool_call_constraint, tool_call_schema
 from strata.grammar.vocab import GrammarVocab
 
 __all__ = [
-    "CompiledGrammar", "Constraint", "GrammarMatcher", "GrammarVocab", "Grammars", "allowed_tokens", "apply_bitmask",
+    "CompiledGrammar", "Constraint", "HostBitmask", "GrammarMatcher", "GrammarVocab", "Grammars", "allowed_tokens", "apply_bitmask",
     "fill_bitmask", "new_bitmask", "tool_call_constraint", "tool_call_schema",
 ]

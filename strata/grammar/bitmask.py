@@ -14,9 +14,42 @@ assert sys.byteorder == "little", "the bitmask is read a byte at a time, lowest 
 _FORBIDDEN = {torch.device("cpu"): ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0}  # [256, 8]
 
 
-def new_bitmask(rows: int, vocab: GrammarVocab) -> torch.Tensor:
-    """[rows, vocab.words] int32 on the CPU, every token allowed: a row nobody fills leaves its logits alone."""
+def new_bitmask(rows: int, vocab: GrammarVocab, pinned: bool = False) -> torch.Tensor:
+    """[rows, vocab.words] int32 on the CPU, every token allowed: a row nobody fills leaves its logits alone.
+    `pinned` (logits on a GPU): in page-locked memory, which `apply_bitmask` sends up without a staging copy; then
+    do not refill it once applied (make a new one for the next window)."""
+    if pinned:
+        return torch.empty((rows, vocab.words), dtype=torch.int32, pin_memory=True).fill_(-1)
     return torch.full((rows, vocab.words), -1, dtype=torch.int32)
+
+
+class HostBitmask:
+    """One host bitmask reused window after window (the engine's): pinned when the logits live on a GPU, so
+    `apply_bitmask` sends it up without a staging copy, and refilled only once the device has read what it held.
+
+        bitmask = host.take(rows)      # [rows, words], every token allowed
+        fill_bitmask(bitmask, [...]); apply_bitmask(logits, bitmask, [...]); host.sent()
+    """
+
+    def __init__(self, vocab: GrammarVocab, device: torch.device | str):
+        self.vocab, self.device = vocab, torch.device(device)
+        self._buffer: torch.Tensor | None = None
+        self._read: "torch.cuda.Event | None" = None  # recorded after the last upload was queued
+
+    def take(self, rows: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.shape[0] < rows:
+            self._buffer = new_bitmask(max(rows, 64), self.vocab, pinned=self.device.type == "cuda")
+        elif self._read is not None:
+            self._read.synchronize()  # the device has long read it in practice: a window ran in between
+        view = self._buffer[:rows]
+        view.fill_(-1)
+        return view
+
+    def sent(self) -> None:
+        """Call once the bitmask is applied: the next `take` waits for the device to have read it."""
+        if self.device.type == "cuda":
+            self._read = torch.cuda.Event()
+            self._read.record()
 
 
 def forbidden(bitmask: torch.Tensor, columns: int) -> torch.Tensor:
@@ -66,18 +99,21 @@ def _apply_row_by_row(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequenc
 
 
 def _apply_gathered(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """The constrained rows gathered, masked and put back: a few launches whatever the row count (a GPU)."""
-    index = rows.long() if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
-    masked = forbidden(_to(bitmask.index_select(0, index.to(bitmask.device)), logits.device), logits.shape[1])
-    index = _to(index, logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(masked, float("-inf")))
+    """On a GPU: the whole bitmask and the row list go up without waiting (the bitmask's words are few next to the
+    logits), and one kernel masks the listed rows in place (`strata.kernels.bitmask`)."""
+    from strata.kernels.bitmask import apply_bitmask_triton
+
+    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int32)
+    apply_bitmask_triton(logits, _to(bitmask.contiguous(), logits.device), _to(index.int(), logits.device))
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device:
         return t
     if device.type == "cuda" and t.device.type == "cpu":
-        # a copy of our own: the caller may refill its tensor as soon as we return
-        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        # a pinned tensor goes up as it is (`new_bitmask(pinned=True)`: torch's caching host allocator does not
+        # hand its memory out again before the copy has run); any other through a pinned copy of our own, since
+        # the caller may refill its tensor as soon as we return
+        staged = t if t.is_pinned() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
         return staged.to(device, non_blocking=True)
     return t.to(device)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import llguidance
 import torch
 
+from strata.errors import StrataError
 from strata.grammar.compile import CompiledGrammar
 
 _executor: llguidance.LLExecutor | None = None
@@ -78,7 +81,15 @@ def fill_bitmask(bitmask: torch.Tensor, rows: list[tuple[GrammarMatcher, int]]) 
 def _get_executor() -> llguidance.LLExecutor:
     global _executor
     if _executor is None:
-        _executor = llguidance.LLExecutor()  # 80 % of the CPUs, at most 32 threads
+        # one thread by default: on the H200's 16-core host a 64-row window's fill took 0.5 ms on 1, 0.9-1.2 on 2-4
+        # and 1.6-2.4 on the library's default 12 (its threads contend with torch's; docs/PERFORMANCE.md)
+        threads = os.environ.get("STRATA_GRAMMAR_THREADS", "1")
+        try:
+            if int(threads) < 1:
+                raise ValueError
+            _executor = llguidance.LLExecutor(int(threads))
+        except ValueError:
+            raise StrataError(f"STRATA_GRAMMAR_THREADS={threads!r}: a number of threads (1 or more) is expected")
     return _executor
 
 

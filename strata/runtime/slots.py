@@ -42,7 +42,7 @@ from strata.runtime.generate import Engine
 from strata.runtime.stages import Handoff
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.window import Segment, Window, host_copy, row_tensor
-from strata.grammar import Constraint, GrammarMatcher, apply_bitmask, fill_bitmask, new_bitmask
+from strata.grammar import Constraint, GrammarMatcher, HostBitmask, apply_bitmask, fill_bitmask
 from strata.state.session import SessionState
 
 log = logging.getLogger("strata.engine")
@@ -109,6 +109,7 @@ class SlotWindow:
     logprob_rows: dict[int, int] = field(default_factory=dict)  # sampler row -> its row in logprob_host
     logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token's, top values, top ids)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
+    deferred: bool = False  # its layers are queued, its sampling waits for the window before it to be read
 
     @property
     def num_rows(self) -> int:
@@ -150,6 +151,7 @@ class Slots:
         self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self.mtp = engine.stages[-1].forward if engine.mtp else None  # the last stage, which runs the MTP layer
+        self._bitmask: HostBitmask | None = None  # constrained rows' masks, filled on the host each window
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -303,12 +305,16 @@ class Slots:
         group's window to run meanwhile."""
         for _ in range(self.lookahead + 1):
             for g in range(len(self.groups)):
-                # a constrained slot's mask follows its last token, which the host must have read: its group runs
-                # no window ahead while it is active
-                ahead = 0 if any(self.slots[i].matcher is not None and self.slots[i].active
-                                 for i in self.groups[g]) else self.lookahead
-                if sum(sw.group == g for sw in self._flight) <= ahead:
-                    self._launch(g)
+                # a constrained slot's mask follows its last token, which the host must have read. One group: its
+                # next window's layers are queued now and its sampling once that token is read (`_read`); pipelined
+                # groups sample in the stages' workers, so such a group runs no window ahead while it is active.
+                constrained = any(self.slots[i].matcher is not None and self.slots[i].active
+                                  for i in self.groups[g])
+                ahead = 0 if constrained and len(self.groups) > 1 else self.lookahead
+                in_flight = [sw for sw in self._flight if sw.group == g]
+                if len(in_flight) > ahead or (in_flight and in_flight[-1].deferred):
+                    continue  # a window not yet sampled cannot feed the next one
+                self._launch(g, defer=constrained and bool(in_flight))
         return self._read(self._flight.popleft()) if self._flight else []
 
     def flush(self) -> list[Event]:
@@ -394,8 +400,10 @@ class Slots:
                 room -= len(proposal)
         return out
 
-    def _launch(self, group: int) -> None:
-        """Launch the group's next window, if it has a row to run (`_build`)."""
+    def _launch(self, group: int, defer: bool = False) -> None:
+        """Launch the group's next window, if it has a row to run (`_build`). `defer` (one group only): queue its
+        layers now and its sampling when the window before it is read (`_read`: the masks of its constrained rows
+        follow the tokens of that window)."""
         latest = next((sw for sw in reversed(self._flight) if sw.group == group), None)
         sw = self._build(self.groups[group], latest, group)
         if sw is None:
@@ -416,7 +424,13 @@ class Slots:
                 sent, index = feed()
                 window = sw.window = window.feed(sent.x if index is None else
                                                  sent.x[row_tensor(index, torch.int64, sent.x.device)])
-            self._then(sw, self.engine.forward(window))
+            logits = self.engine.forward(window)
+            if defer:
+                sw.logits, sw.deferred = logits, True
+                if self.mtp is not None:
+                    sw.hidden = self.mtp.hidden
+            else:
+                self._then(sw, logits)
         else:  # fed and sampled in the stages' workers: the host thread only queues
             sw.future = self.engine.pipeline.launch(window, tokens=feed, then=lambda logits: self._then(sw, logits))
         self._flight.append(sw)
@@ -424,26 +438,34 @@ class Slots:
     def _then(self, sw: SlotWindow, logits: torch.Tensor) -> None:
         """Sample each sampler's next token on the device and start its copy to the host (on the last stage's
         device; in its worker for pipelined groups)."""
-        sw.logits = logits
-        if self.mtp is not None:
-            sw.hidden = self.mtp.hidden
+        if sw.logits is None:
+            sw.logits = logits
+            if self.mtp is not None:
+                sw.hidden = self.mtp.hidden
         positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
         sw.sampled = self._sample(sw.samplers, self._masked(sw, logits), [self.slots[i].params for i in sw.samplers],
                                   positions, sw.drafts)
         self._logprobs(sw, logits)
         sw.host, sw.copied = host_copy(sw.sampled)
 
+    @torch.inference_mode()  # the logits are the forward's (an inference tensor), masked in place
     def _masked(self, sw: SlotWindow, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with each constrained sampler row's forbidden tokens at -inf (a copy; other rows unchanged
-        bit for bit, and the raw logits kept for log-probabilities). The masks are filled on the host from the
-        matchers, which have seen every token before this row's (`step` runs no window ahead of them)."""
-        rows = [(self.slots[i].matcher, j) for j, i in enumerate(sw.samplers) if self.slots[i].matcher is not None]
+        """The logits with each constrained sampler row's forbidden tokens at -inf (other rows unchanged bit for bit;
+        in place, or in a copy when a constrained row reports log-probabilities, which are of the raw logits). The
+        masks are filled on the host from the matchers, which have accepted every token before this row's (`step`
+        defers the sampling of a window until the one before it is read)."""
+        rows = [(self.slots[i].matcher, j) for j, i in enumerate(sw.samplers)
+                if self.slots[i].matcher is not None and self.slots[i].active]  # an ended slot's token is dropped
         if not rows:
             return logits
-        bitmask = new_bitmask(len(sw.samplers), self.engine.grammars.vocab)
+        if self._bitmask is None:
+            self._bitmask = HostBitmask(self.engine.grammars.vocab, logits.device)
+        bitmask = self._bitmask.take(len(sw.samplers))
         fill_bitmask(bitmask, rows)
-        masked = logits.clone()
+        # in place unless a constrained row reports log-probabilities, which are of the raw logits
+        masked = logits.clone() if any(self.slots[sw.samplers[j]].logprobs is not None for _, j in rows) else logits
         apply_bitmask(masked, bitmask, [j for _, j in rows])
+        self._bitmask.sent()
         return masked
 
     def _logprobs(self, sw: SlotWindow, logits: torch.Tensor) -> None:
@@ -481,7 +503,12 @@ class Slots:
         kept = self._verify(sw, tokens, lengths) if sw.drafts else (sw.samplers, tokens, lengths, rows)
         if self.mtp is not None:
             self._run_mtp(sw, kept[0], kept[1])
-        return self._record(*kept[:3], self._logprob_entries(sw, kept[3]))
+        events = self._record(*kept[:3], self._logprob_entries(sw, kept[3]))
+        later = next((w for w in self._flight if w.group == sw.group), None)
+        if later is not None and later.deferred:  # (`_launch`) its masks follow these tokens
+            later.deferred = False
+            self._then(later, later.logits)
+        return events
 
     def _logprob_entries(self, sw: SlotWindow, rows: list[int]) -> list | None:
         """Per kept row: (its token's log-probability, [(top id, log-probability)...]) or None."""

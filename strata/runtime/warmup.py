@@ -10,7 +10,7 @@ on first use. Either costs from milliseconds to seconds, and must not fall on a 
 2. prompt windows of the chunk sizes a window can hold (every size up to 64 rows, then every 8th, and the
    budget less each possible count of decoding rows), read one after another so later chunks start past position
    0: besides Triton's specializations, torch's GEMMs load a kernel the first time a row count of theirs comes;
-3. the sampler over greedy, sampled and penalised rows of several counts;
+3. the sampler over greedy, sampled and penalised rows of several counts, and a grammar's mask on them;
 4. requests through the slots as the engine runs them: several prompts read together in mixed windows beside
    decoding rows (several logit rows in a prompt part, tokens fed on the device with lookahead).
 
@@ -121,6 +121,11 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
         counts_ = token_counts(torch.zeros(r, 1, dtype=torch.int64, device=device), vocab)
         sample(logits, [SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5)] * r, positions,
                seen, counts_)
+        if device.type == "cuda":  # a grammar's mask on constrained rows (structured output): all allowed here
+            from strata.kernels.bitmask import apply_bitmask_triton
+
+            apply_bitmask_triton(logits, torch.full((r, (vocab + 31) // 32), -1, dtype=torch.int32, device=device),
+                                 torch.arange(r, dtype=torch.int32, device=device))
 
     def request_round(requests: list[list[int]]) -> None:  # mixed windows, lookahead, many logit rows
         for state in states:  # empty slots: an admission has nothing to park
