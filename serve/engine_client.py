@@ -138,14 +138,21 @@ class EngineClient:
 
     def submit(self, request: Request, record: RequestRecord) -> Job:
         """Send the request to the engine; `accept` waits for its answer."""
+        return self.submit_all([(request, record)])[0]
+
+    def submit_all(self, requests: list[tuple[Request, RequestRecord]]) -> list[Job]:
+        """Send requests to the engine in one write (the samples of one request: the engine admits them in one turn,
+        so they share their prompt's read); `accept` waits for each one's answer."""
         if not self.ready.is_set():
             raise EngineDied("the engine is not ready yet")
-        job = Job(f"r{next(self._ids)}", request, record, accepted=asyncio.get_running_loop().create_future())
-        self._send(protocol.add(job.id, request))
-        self.jobs[job.id] = job
-        self.metrics.queued(record)
+        jobs = [Job(f"r{next(self._ids)}", request, record, accepted=asyncio.get_running_loop().create_future())
+                for request, record in requests]
+        self._send("\n".join(protocol.add(job.id, job.request) for job in jobs))
+        for job in jobs:
+            self.jobs[job.id] = job
+            self.metrics.queued(job.record)
         self._update_load()
-        return job
+        return jobs
 
     async def accept(self, job: Job) -> None:
         """Wait until the engine took the request (WAIT or RUN); raise EngineFull / EngineRefused / EngineDied."""

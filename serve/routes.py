@@ -130,8 +130,10 @@ class Answer:
             raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
                            kind="service_unavailable")
         try:
-            for index, request in enumerate(self.requests):
-                self.jobs.append(self._submit_one(request, index))
+            suffix = (lambda index: f"-{index}") if len(self.requests) > 1 else (lambda index: "")
+            self.jobs = self.service.client.submit_all([
+                (request, RequestRecord(self.request_id + suffix(index), len(request.ids), request.max_new,
+                                        time.monotonic())) for index, request in enumerate(self.requests)])
             for job in self.jobs:
                 await self.service.client.accept(job)
         except BaseException as e:
@@ -147,11 +149,6 @@ class Answer:
                     raise APIError(400, str(e)) from None
                 raise APIError(500, str(e), kind="internal_server_error") from None
             raise
-
-    def _submit_one(self, request: EngineRequest, index: int) -> Job:
-        suffix = f"-{index}" if len(self.requests) > 1 else ""
-        record = RequestRecord(self.request_id + suffix, len(request.ids), request.max_new, time.monotonic())
-        return self.service.client.submit(request, record)
 
     def usage(self) -> dict:
         return usage(len(self.ids), sum(len(j.generated) for j in self.jobs))

@@ -270,3 +270,41 @@ def test_the_measured_row_block_and_a_bad_setting(monkeypatch):
     monkeypatch.setenv("STRATA_ROW_BLOCK", "three")
     with pytest.raises(ValueError, match="STRATA_ROW_BLOCK='three'"):
         invariant.row_block(torch.float32)
+
+
+def fresh_prompt(salt: int) -> list[int]:
+    """59 tokens (three windows of 24) that no earlier test read, so nothing parked holds them."""
+    return [(t + salt) % VOCAB for t in prompt(6)]
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_samples_of_one_prompt_share_its_read(engine, lookahead):
+    """Requests with the same prompt admitted together (`n` samples) read it once: the others take their first
+    token from the leader's last prompt row and a copy of its state (K/V cells, GDN states), and each answer is
+    the one it gets alone, greedy or sampled with its own seed."""
+    ids = fresh_prompt(100 + lookahead)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=1.0, seed=12),
+              SamplingParams()]
+    slots = engine.init_slots(4, lookahead=lookahead)
+    reused = [slots.admit(i, ids, 30, p, stop_ids=NO_STOP) for i, p in enumerate(params)]
+    assert reused == [0] + [len(ids)] * 3 and [s.follows for s in slots.slots] == [None, 0, 0, 0]
+    slots.take_read_log()
+    got = drain(slots, sync=False)
+    assert sum(prompt_rows for _, prompt_rows in slots.take_read_log()) == len(ids)  # read once, not four times
+    assert [s.num_reused for s in slots.slots[1:]] == [len(ids)] * 3  # reported as cached prompt tokens
+    solo = [engine.generate(ids, 30, p, stop_ids=NO_STOP).ids for p in params]
+    assert [got[i] for i in range(4)] == solo
+    assert got[1] != got[2]  # their own seeds
+
+
+def test_a_sample_whose_leader_stops_reads_the_prompt_itself(engine):
+    ids = fresh_prompt(200)
+    slots = engine.init_slots(2)
+    slots.admit(0, ids, 20, stop_ids=NO_STOP)
+    assert slots.admit(1, ids, 20, SamplingParams(temperature=1.0, seed=5), stop_ids=NO_STOP) == len(ids)
+    slots.commit_slots(slots.run_slots())  # the leader's first 24 prompt rows
+    slots.stop(0)
+    got = drain(slots)
+    assert 0 not in got and got[1] == engine.generate(ids, 20, SamplingParams(temperature=1.0, seed=5),
+                                                      stop_ids=NO_STOP).ids
+    assert slots.slots[1].num_reused == 0

@@ -93,6 +93,22 @@ def test_n_seeded_samples_differ_from_each_other_and_repeat(client):
     assert [streamed[i] for i in range(3)] == texts
 
 
+def _prefix_cache_hits(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Accept": "text/plain"}).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_n_samples_share_one_read_of_their_prompt(server, client):
+    """The samples go to the engine in one write and are admitted together: one slot reads the prompt, the others
+    take their first token from its last row and a copy of its state (prefix-cache hits of the whole prompt)."""
+    before = _prefix_cache_hits(server)
+    answer = client.completions.create(model=MODEL, prompt="Three rivers that cross a capital city are", n=4,
+                                       max_tokens=6, temperature=1.0, seed=5)
+    assert len(answer.choices) == 4
+    assert _prefix_cache_hits(server) - before >= 3 * answer.usage.prompt_tokens
+
+
 def test_tokenize_and_detokenize(server, tokenizer):
     text = "Hello, naïve world"
     r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()

@@ -1,12 +1,14 @@
 """The `strata engine` process: moves lines between stdin/stdout and the scheduler, nothing more.
 
-A reader thread feeds stdin's lines into a queue; the loop drains the queue without blocking while work is
-in flight (so requests and aborts take effect at the next window) and blocks on it when idle. The events of
-one turn (the commands' answers, one window's tokens) leave in one write.
+A reader thread feeds stdin's lines into a queue, the lines of one read together (the server writes a request's
+`n` samples in one write, so they are admitted in one turn and share their prompt's read); the loop drains the
+queue without blocking while work is in flight (so requests and aborts take effect at the next window) and blocks
+on it when idle. The events of one turn (the commands' answers, one window's tokens) leave in one write.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import signal
@@ -45,7 +47,7 @@ class Pipe:
     def __init__(self, stdin: TextIO, stdout: TextIO, trace: bool | None = None):
         self.stdin, self.stdout = stdin, stdout
         self.trace = os.environ.get("STRATA_TRACE") == "1" if trace is None else trace
-        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.lines: queue.Queue[list[str] | None] = queue.Queue()  # the whole lines of one read
         self._out: list[str] = []
 
     def emit(self, line: str) -> None:
@@ -60,8 +62,20 @@ class Pipe:
             self._out.clear()
 
     def _read(self) -> None:
-        for line in self.stdin:
-            self.lines.put(line)
+        try:
+            fd = self.stdin.fileno()
+        except (AttributeError, OSError, io.UnsupportedOperation):  # not a file (tests): a line at a time
+            for line in self.stdin:
+                self.lines.put([line])
+            self.lines.put(None)
+            return
+        rest = b""
+        while chunk := os.read(fd, 1 << 20):
+            *whole, rest = (rest + chunk).split(b"\n")
+            if whole:
+                self.lines.put([line.decode() for line in whole])
+        if rest:
+            self.lines.put([rest.decode()])
         self.lines.put(None)
 
     def serve(self, scheduler: Scheduler) -> None:
@@ -78,7 +92,7 @@ class Pipe:
                     pending.append(self.lines.get_nowait())
             except queue.Empty:
                 pass
-            for line in pending:
+            for line in (line for read in pending for line in (read or [None])):
                 if line is None:
                     closed = True  # end of input: finish what is in flight, then exit
                     continue

@@ -66,6 +66,8 @@ class Slot:
     mtp_drafts: list[int] = field(default_factory=list)  # what the MTP layer drafted after its last window
     logprobs: int | None = None  # report each token's log-probability and this many top ones (None: none)
     matcher: "GrammarMatcher | None" = None  # the constraint its answer follows (structured output), or None
+    follows: int | None = None  # the slot reading the same prompt, whose read this one shares (`admit`)
+    prompt: list[int] = field(default_factory=list)  # the prompt it was admitted with
     admitted: int = 0  # when it was admitted (`_order`): prompt rows are given out in this order
     released: int = 0  # when it last went idle (`_order`)
 
@@ -110,6 +112,7 @@ class SlotWindow:
     logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token's, top values, top ids)
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
     deferred: bool = False  # its layers are queued, its sampling waits for the window before it to be read
+    shared: list[int] = field(default_factory=list)  # samplers past the logit rows: the sampler whose row each shares
 
     @property
     def num_rows(self) -> int:
@@ -227,8 +230,20 @@ class Slots:
             slot.num_reused -= 1
             slot.state.truncate(slot.num_reused)
         slot.unread = list(prompt_ids[slot.num_reused :])
+        slot.prompt, slot.follows = list(prompt_ids), self._leader(index, prompt_ids)
+        if slot.follows is not None:
+            slot.num_reused = len(prompt_ids)  # none of it read by this slot (back to its own count if the leader stops)
         slot.active, slot.admitted = True, next(_order)
         return slot.num_reused
+
+    def _leader(self, index: int, prompt_ids: list[int]) -> int | None:
+        """An active slot of the same group that will read this same prompt and has not put its last row in a
+        window yet: the new slot shares that read (`n` samples of one request), taking its first token from the
+        leader's last prompt row and a copy of its state (`_share`). Not with pipelined groups or an MTP layer."""
+        if len(self.groups) > 1 or self.mtp is not None:
+            return None
+        return next((j for j, s in enumerate(self.slots) if j != index and s.active and s.follows is None
+                     and s.unread and s.prompt == prompt_ids), None)
 
     def admit_now(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
                   stop_ids: frozenset[int] | None = None) -> Event:
@@ -237,6 +252,7 @@ class Slots:
         a lone read gives, whatever the other slots hold); that token's event. Requests go through `admit`."""
         self.admit(index, prompt_ids, max_new, params, stop_ids)
         slot = self.slots[index]
+        slot.follows = None  # it reads its prompt now, alone
         logits = self.engine.run(slot.state, slot.unread)
         slot.unread = []
         position = slot.state.length
@@ -254,6 +270,10 @@ class Slots:
     def _release(self, slot: Slot) -> None:
         if slot.active:
             slot.active, slot.unread, slot.released = False, [], next(_order)
+            for other in self.slots:  # its followers read the prompt themselves
+                if other.follows is not None and self.slots[other.follows] is slot:
+                    other.follows, other.num_reused = None, other.num_prompt - len(other.unread)
+            slot.follows = None
 
     def abandon(self) -> list[int]:
         """After a window failed: forget every window in flight and end every slot that was active or had a row in
@@ -288,7 +308,9 @@ class Slots:
         sw = self._build(range(len(self.slots)), None, 0)
         if sw is None:
             return None
-        self._then(sw, self.engine.forward(sw.window))
+        logits = self.engine.forward(sw.window)
+        self._share(sw)
+        self._then(sw, logits)
         return sw
 
     def commit_slots(self, sw: SlotWindow) -> list[Event]:
@@ -337,7 +359,8 @@ class Slots:
         drafts = self._drafts(decoding, left) if latest is None and self.speculative else {}
         left -= sum(len(d) for d in drafts.values())
         chunks: list[tuple[int, list[int]]] = []
-        for i in sorted((i for i in members if self.slots[i].reading), key=lambda i: self.slots[i].admitted):
+        for i in sorted((i for i in members if self.slots[i].reading and self.slots[i].follows is None),
+                        key=lambda i: self.slots[i].admitted):
             if left <= 0:
                 break
             slot = self.slots[i]
@@ -355,7 +378,11 @@ class Slots:
         window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
         samplers = [i for i in decoding for _ in range(1 + len(drafts.get(i, ())))]
         samplers += [i for i, _ in chunks if i not in unread_left]
-        members = frozenset(decoding).union(i for i, _ in chunks)
+        leaders = {i: j for j, i in enumerate(samplers) if i in {c for c, _ in chunks}}
+        followers = [f for f in members if self.slots[f].active and self.slots[f].follows in leaders]
+        shared = [leaders[self.slots[f].follows] for f in followers]
+        samplers += followers
+        members = frozenset(decoding).union(i for i, _ in chunks).union(followers)
         spans, row = {}, 0
         for i in decoding:
             spans[i] = (row, 1 + len(drafts.get(i, ())), self.slots[i].state.length)
@@ -364,7 +391,11 @@ class Slots:
             spans[i] = (row, len(ids), self.slots[i].state.length)
             row += len(ids)
         sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group,
-                        drafts=drafts, spans=spans)
+                        drafts=drafts, spans=spans, shared=shared)
+        for f in followers:  # the leader's state once its prompt is read (`_share` queues the copy)
+            slot = self.slots[f]
+            slot.unread = []
+            slot.state.length, slot.state.tokens = len(slot.prompt), list(slot.prompt)
         for i in decoding:  # the rows' positions are the state's now; their tokens join `state.tokens` when read
             self.slots[i].state.length += 1 + len(drafts.get(i, ()))
         for i, ids in chunks:
@@ -425,6 +456,7 @@ class Slots:
                 window = sw.window = window.feed(sent.x if index is None else
                                                  sent.x[row_tensor(index, torch.int64, sent.x.device)])
             logits = self.engine.forward(window)
+            self._share(sw)
             if defer:
                 sw.logits, sw.deferred = logits, True
                 if self.mtp is not None:
@@ -435,6 +467,21 @@ class Slots:
             sw.future = self.engine.pipeline.launch(window, tokens=feed, then=lambda logits: self._then(sw, logits))
         self._flight.append(sw)
 
+    def _share(self, sw: SlotWindow) -> None:
+        """Queue, behind the window's layers, the copy of each leader's state (its prompt just read) into the slots
+        that share its read (`_leader`): K/V cells and GDN states, on every stage's device."""
+        if not sw.shared:
+            return
+        for f, k in zip(sw.samplers[-len(sw.shared):], sw.shared):
+            slot = self.slots[f]
+            slot.state.copy_from(self.slots[sw.samplers[k]].state, len(slot.prompt))
+            slot.follows = None
+
+    def _logit_positions(self, sw: SlotWindow) -> list[int]:
+        """Per sampler: the position its sampled token takes (a slot sharing a leader's row: the leader's)."""
+        positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
+        return positions + [positions[k] for k in sw.shared]
+
     def _then(self, sw: SlotWindow, logits: torch.Tensor) -> None:
         """Sample each sampler's next token on the device and start its copy to the host (on the last stage's
         device; in its worker for pipelined groups)."""
@@ -442,7 +489,9 @@ class Slots:
             sw.logits = logits
             if self.mtp is not None:
                 sw.hidden = self.mtp.hidden
-        positions = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]  # the position each sampled token takes
+        positions = self._logit_positions(sw)  # the position each sampled token takes
+        if sw.shared:  # the rows of the slots sharing a leader's prompt read: copies of the leader's
+            logits = torch.cat([logits, logits.index_select(0, row_tensor(sw.shared, torch.int64, logits.device))])
         sw.sampled = self._sample(sw.samplers, self._masked(sw, logits), [self.slots[i].params for i in sw.samplers],
                                   positions, sw.drafts)
         self._logprobs(sw, logits)
@@ -497,7 +546,7 @@ class Slots:
         for i in sw.decoding:
             self.slots[i].state.tokens.append(self.slots[i].next_token)
         self._read_log.append((len(sw.decoding) + sum(len(d) for d in sw.drafts.values()), sw.prompt_rows))
-        lengths = [sw.window.host[1][j] + 1 for j in sw.window.host[2]]
+        lengths = self._logit_positions(sw)
         tokens = sw.host.tolist() if sw.samplers else []
         rows = list(range(len(sw.samplers)))
         kept = self._verify(sw, tokens, lengths) if sw.drafts else (sw.samplers, tokens, lengths, rows)
