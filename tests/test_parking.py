@@ -18,6 +18,7 @@ from strata.state.parking import (
     GB,
     ParkingLot,
     Snapshot,
+    SnapshotRefused,
     common_prefix,
     host_ram_bytes,
     park_budget,
@@ -104,6 +105,40 @@ def test_a_snapshot_restores_the_state_exactly(spec):
     target = filled(spec, [7, 7, 7], seed=2)  # a sequence holding something else
     snap.restore(target, count)
     assert_same_state(target, parked)
+
+
+def flip_a_byte(t: torch.Tensor, at: int = 5) -> None:
+    t.view(-1).view(torch.uint8)[at] ^= 0x10
+
+
+@pytest.mark.parametrize("damage", ["byte", "tokens", "model", "layers", "cells"])
+def test_a_changed_or_foreign_snapshot_is_refused(spec, damage):
+    """Checked before anything is written (model fingerprint, token hash, layers, shapes) and after the copy (the
+    checksum): refused with what was wrong; the target is untouched, or reset when the bytes were wrong."""
+    tokens = list(range(10, 30))
+    lot = ParkingLot(10**9, truncatable=not spec.gdn_layers(), fingerprint="model-a")
+    assert lot.park(filled(spec, tokens, seed=1))
+    _, snap = lot.best(tokens + [99])
+    target = filled(spec, [7, 7, 7], seed=2)
+    if damage == "layers":  # a state of another layer range (another stage of a split)
+        target = SessionState.standalone(spec, range(1, spec.num_layers), MAX_CELLS, torch.device("cpu"),
+                                         torch.float32)
+    if damage == "cells":
+        target = SessionState.standalone(spec, range(spec.num_layers), 16, torch.device("cpu"), torch.float32)
+    before = filled(spec, [7, 7, 7], seed=2) if damage not in ("layers", "cells") else None
+    fingerprint = "model-b" if damage == "model" else "model-a"
+    if damage == "byte":
+        flip_a_byte(next(iter(snap.recurrent.values())) if spec.gdn_layers() else next(iter(snap.k.values())))
+    if damage == "tokens":
+        snap.tokens[3] += 1
+    expected = {"byte": "bytes changed", "tokens": "token list", "model": "another model", "layers": "layers are",
+                "cells": "cells"}[damage]
+    with pytest.raises(SnapshotRefused, match=expected):
+        snap.restore(target, len(tokens), fingerprint)
+    if damage == "byte":
+        assert target.length == 0 and target.tokens == []  # reset: its old content was parked before, as always
+    elif before is not None:
+        assert_same_state(target, before)  # nothing written
 
 
 def test_the_budget_holds_and_the_least_recently_parked_go_first(spec):
@@ -270,6 +305,32 @@ def test_a_parked_conversation_reads_only_its_new_tokens_and_answers_as_if_it_ha
     stayed_answer, stayed_reused, _ = stayed.run(turn2)
     assert stayed_reused == held and answer == stayed_answer
     assert not any(line.startswith("PARKED") for line in stayed.out)
+
+
+def test_a_corrupt_parked_conversation_is_read_again_and_answers_the_same(model, caplog):
+    engine = engine_with(model, park_gb=0.05)
+    driver = Driver(engine, 2)
+    turn1 = conversation(0)
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(1))
+    driver.run(conversation(2))  # conversation 0 is parked now
+    (snap,) = [s for s in engine.parking._snapshots.values() if s.tokens[: len(turn1)] == turn1]
+    others = {key: (s.tokens, [t.clone() for t in (*s.k.values(), *s.conv.values())])
+              for key, s in engine.parking._snapshots.items() if s is not snap}
+    flip_a_byte(next(iter(snap.recurrent.values())) if snap.recurrent else next(iter(snap.k.values())), at=40)
+    turn2 = turn1 + answer + [3, 1, 4, 1, 5]
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        again, reused, _ = driver.run(turn2)
+    assert reused == 0 and engine.parking.refused == 1
+    assert "refused: its bytes changed" in caplog.text and f"its prompt ({len(turn2)} tokens) is read again" in caplog.text
+    stayed = Driver(engine_with(model, park_gb=0), 2)
+    stayed.run(turn1)
+    assert again == stayed.run(turn2)[0]
+    for key, (tokens_, tensors) in others.items():  # the other parked conversations: untouched
+        if key in engine.parking._snapshots:
+            s = engine.parking._snapshots[key]
+            assert s.tokens == tokens_ and all(torch.equal(a, b) for a, b in zip((*s.k.values(), *s.conv.values()),
+                                                                                  tensors))
 
 
 def test_restored_logits_are_close_to_reading_the_whole_prompt(model):

@@ -22,7 +22,7 @@ from strata.runtime.forward import Forward
 from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.window import Window
-from strata.state.parking import ParkingLot, park_budget, reuse_prefix
+from strata.state.parking import ParkingLot, model_fingerprint, park_budget, reuse_prefix
 from strata.state.session import SessionState, StatePool
 
 if TYPE_CHECKING:
@@ -68,7 +68,9 @@ class Engine:
                                   "depends on how many of its drafts the model accepted")
             self.lookahead = 0
         self._solo: "Slots | None" = None  # `solo_slots`
-        self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers())
+        self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers(),
+                                  fingerprint=model_fingerprint(self.spec, dtype,
+                                                                files.checkpoint.path if files is not None else None))
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels

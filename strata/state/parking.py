@@ -14,11 +14,20 @@ or a parked snapshot holds (`reuse_prefix`), and reads only the rest. What is re
 - a GDN state has absorbed every token it holds and cannot be cut, so a model with GDN layers reuses a state
   only when all of its tokens are a prefix of the prompt;
 - at least one prompt token is always read: the logits of its last row give the first new token.
+
+A snapshot is checked before it is written back (`Snapshot.problem`, then `Snapshot.restore`): the model's
+fingerprint, the layers and each tensor's shape and dtype against the sequence it goes into, the hash of its tokens,
+and a checksum of its bytes (a 64-bit sum of their 32-bit words, taken on the state's device when parked and again
+on the device after the copy back, so the check costs no pass over host memory). A snapshot that fails is refused
+with a log line naming what was wrong and dropped; the sequence it was meant for is reset (what it held was parked
+before) and the prompt is read in full: no other state is touched and the answer is the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -30,6 +39,7 @@ import torch
 from strata.errors import StrataError
 from strata.state.session import SessionState
 
+log = logging.getLogger("strata.engine")
 GB = 1e9
 DEFAULT_PARK_GB = 4.0  # the default budget, capped at a quarter of the host's RAM
 
@@ -98,6 +108,39 @@ def snapshot_bytes(state: SessionState) -> int:
     return cells + gdn
 
 
+class SnapshotRefused(StrataError):
+    """A parked image that does not belong to this model, these layers or these tokens, or whose bytes changed."""
+
+
+def model_fingerprint(spec, dtype: torch.dtype, path: str | os.PathLike | None = None) -> str:
+    """What a parked image must have been made by: the model's shapes (its `ModelSpec`), the state's dtype and the
+    checkpoint's weight files (names and sizes; `path` a file or a folder)."""
+    files = []
+    if path is not None and os.path.isdir(path):
+        files = sorted((f, os.path.getsize(os.path.join(path, f))) for f in os.listdir(path)
+                       if f.endswith((".safetensors", ".gguf", ".bin")))
+    elif path is not None and os.path.exists(path):
+        files = [(os.path.basename(path), os.path.getsize(path))]
+    text = f"{spec!r}|{dtype}|{files}"
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def token_hash(tokens: Sequence[int]) -> str:
+    return hashlib.blake2b(",".join(map(str, tokens)).encode(), digest_size=16).hexdigest()
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor | int:
+    """A 64-bit sum of the 32-bit words of the tensors' bytes (16-bit words for a tensor of an odd number of them),
+    computed where they live, without waiting: a 0-dim int64 tensor on the first one's device (`int()` reads it)."""
+    total = None
+    for t in tensors:
+        flat = t.contiguous().view(-1)
+        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.int16)
+        part = words.sum(dtype=torch.int64)
+        total = part if total is None else total.to(part.device) + part
+    return 0 if total is None else total
+
+
 ALIGN = 256  # bytes: where each tensor of a snapshot starts in the ring
 
 
@@ -153,6 +196,9 @@ class Snapshot:
     nbytes: int
     region: tuple[int, int] = (0, 0)  # (offset, bytes) in the ring
     copied: list = field(default_factory=list)  # CUDA events: the copies into host memory are done once they are
+    fingerprint: str = ""  # the model's (`ParkingLot.fingerprint`)
+    tokens_hash: str = ""  # of `tokens`, as parked
+    sum: torch.Tensor | int = 0  # `checksum` of its tensors, taken on the state's device when parked
 
     @property
     def length(self) -> int:
@@ -171,8 +217,10 @@ class Snapshot:
 
     @classmethod
     @torch.inference_mode()
-    def of(cls, state: SessionState, ring: HostRing, offset: int) -> "Snapshot":
-        """Copy `state`'s committed prefix into the ring at `offset` (asynchronously from a GPU)."""
+    def of(cls, state: SessionState, ring: HostRing, offset: int, fingerprint: str = "") -> "Snapshot":
+        """Copy `state`'s committed prefix into the ring at `offset` (asynchronously from a GPU), with what
+        `problem` and `restore` check it by."""
+        total = checksum(t for part in cls.parts(state) for t in part)
         dicts, at = [], offset
         for layers, part in zip((state.k, state.v, state.conv, state.recurrent), cls.parts(state)):
             host = {}
@@ -181,7 +229,8 @@ class Snapshot:
                 host[i].copy_(t, non_blocking=t.device.type == "cuda")
                 at += _aligned(t.numel() * t.element_size())
             dicts.append(host)
-        snap = cls(list(state.tokens), *dicts, snapshot_bytes(state), (offset, at - offset))
+        snap = cls(list(state.tokens), *dicts, snapshot_bytes(state), (offset, at - offset),
+                   fingerprint=fingerprint, tokens_hash=token_hash(state.tokens), sum=total)
         devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
         for device in devices:
             event = torch.cuda.Event()
@@ -195,19 +244,54 @@ class Snapshot:
             event.synchronize()
         self.copied = []
 
+    def problem(self, state: SessionState, fingerprint: str = "") -> str | None:
+        """Why this snapshot cannot go into `state` (another model, other layers, shapes or dtypes, tokens that
+        changed), None when it can; nothing is written."""
+        if self.fingerprint != fingerprint:
+            return f"it was parked by another model (fingerprint {self.fingerprint or '-'}, this one {fingerprint or '-'})"
+        if token_hash(self.tokens) != self.tokens_hash:
+            return "its token list does not match the hash taken when it was parked"
+        n = self.length
+        if n > state.max_cells:
+            return f"it holds {n} positions and the sequence has {state.max_cells} cells"
+        for name, mine, theirs, cells in (("K", self.k, state.k, True), ("V", self.v, state.v, True),
+                                          ("conv", self.conv, state.conv, False),
+                                          ("recurrent", self.recurrent, state.recurrent, False)):
+            if sorted(mine) != sorted(theirs):
+                return f"its {name} layers are {sorted(mine)}, the sequence's {sorted(theirs)}"
+            for i, t in mine.items():
+                shape = (n, *theirs[i].shape[1:]) if cells else tuple(theirs[i].shape)
+                if tuple(t.shape) != shape or t.dtype != theirs[i].dtype:
+                    return (f"layer {i}'s {name} is {tuple(t.shape)} {t.dtype}, the sequence needs {shape} "
+                            f"{theirs[i].dtype}")
+        return None
+
     @torch.inference_mode()
-    def restore(self, state: SessionState, length: int) -> None:
-        """Make `state` hold this conversation's first `length` positions (all of them with GDN layers)."""
+    def restore(self, state: SessionState, length: int, fingerprint: str = "") -> None:
+        """Make `state` hold this conversation's first `length` positions (all of them with GDN layers). Checked
+        first (`problem`: nothing written when it fails) and after the copy (the checksum of what arrived: `state`
+        is reset when it differs); either raises SnapshotRefused. Every parked cell is copied back, so the check
+        covers them all (cells past `length` are never read)."""
         if state.conv and length != self.length:
             raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions, not {length}")
+        problem = self.problem(state, fingerprint)
+        if problem:
+            raise SnapshotRefused(problem)
         self.wait()
+        n = self.length
         for i in state.k:
-            state.k[i][:length].copy_(self.k[i][:length], non_blocking=True)
-            state.v[i][:length].copy_(self.v[i][:length], non_blocking=True)
+            state.k[i][:n].copy_(self.k[i], non_blocking=True)
+            state.v[i][:n].copy_(self.v[i], non_blocking=True)
         for i in state.conv:
             state.conv[i].copy_(self.conv[i], non_blocking=True)
             state.recurrent[i].copy_(self.recurrent[i], non_blocking=True)
-        state.length, state.tokens = length, self.tokens[:length]
+        state.length, state.tokens = n, list(self.tokens)
+        arrived = int(checksum(t for part in Snapshot.parts(state) for t in part))  # waits for the copy
+        if arrived != int(self.sum):
+            state.reset()
+            raise SnapshotRefused(f"its bytes changed since it was parked (checksum {arrived:#x}, parked "
+                                  f"{int(self.sum):#x})")
+        state.truncate(length)
 
 
 class ParkingLot:
@@ -215,10 +299,12 @@ class ParkingLot:
 
     `truncatable`: the model has attention layers only, so a state can be cut to any prefix (see `reusable`)."""
 
-    def __init__(self, budget: int, truncatable: bool):
+    def __init__(self, budget: int, truncatable: bool, fingerprint: str = ""):
+        """`fingerprint`: the model's (`model_fingerprint`): a snapshot parked under another is refused."""
         if budget < 0:
             raise StrataError(f"a parking budget of {budget} bytes: give 0 or more (0 turns parking off)")
-        self.budget, self.truncatable = budget, truncatable
+        self.budget, self.truncatable, self.fingerprint = budget, truncatable, fingerprint
+        self.refused = 0  # snapshots refused at restore (`SnapshotRefused`)
         self.ring = HostRing(budget)
         self.nbytes = 0
         self.evictions = 0  # snapshots dropped to make room
@@ -247,7 +333,7 @@ class ParkingLot:
             elif offset < snap.region[0] + snap.region[1] and snap.region[0] < offset + size:
                 self._drop(key)
                 self.evictions += 1
-        self._snapshots[next(self._keys)] = Snapshot.of(state, self.ring, offset)
+        self._snapshots[next(self._keys)] = Snapshot.of(state, self.ring, offset, self.fingerprint)
         self.nbytes += self._snapshots[next(reversed(self._snapshots))].nbytes
         return True
 
@@ -299,7 +385,14 @@ def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[Sess
     if source is state:
         state.truncate(count)
     elif isinstance(source, Snapshot):
-        source.restore(state, count)
+        try:
+            source.restore(state, count, lot.fingerprint)
+        except SnapshotRefused as e:
+            lot.refused += 1
+            log.warning("a parked conversation of %d tokens was refused: %s; its prompt (%d tokens) is read again",
+                        source.length, e, len(prompt))
+            state.reset()
+            return 0
     else:
         state.copy_from(source, count)
     return count
