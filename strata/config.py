@@ -98,6 +98,12 @@ class EngineSettings(StrataSettings):
     park_gb: float | None = Field(
         None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
     )
+    checkpoint_every: int = Field(
+        0, ge=0, description="models with Gated DeltaNet layers: also keep their state every this many prompt tokens "
+        "(host RAM: one GDN state each), besides the one kept before each prompt's last token, so a prompt that "
+        "shares only a prefix with a held or parked conversation reads from the latest checkpoint in it (0: only "
+        "the prompt-end checkpoints)"
+    )
     compile_workers: int | None = Field(
         None, ge=0, le=64, description="processes that compile the Triton kernels while the weights load, so the "
         "warm-up finds them compiled (default: up to 8, by cores and the GPU memory beside the model; 0: none)"
@@ -153,7 +159,7 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    lookahead=self.lookahead, speculative=parse_spec(
+                    lookahead=self.lookahead, checkpoint_every=self.checkpoint_every, speculative=parse_spec(
                         self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
                         if self.spec_max_active is None else self.spec_max_active))
 

@@ -383,6 +383,36 @@ def test_an_edited_conversation_reuses_the_shared_part_only_without_gdn(model):
     assert stayed_reused == reused and got == stayed_got
 
 
+def test_gdn_checkpoints_serve_a_rewritten_history_and_a_regenerated_answer(model):
+    """With checkpoints (`checkpoint_every`), a hybrid model's conversation can be cut back: an edited turn reuses
+    the latest checkpoint inside the shared prefix (here the one kept before turn one's last prompt token), parked
+    or held, and answers as a fresh read of the whole prompt does; the same prompt again (a regenerated answer)
+    reads only its last token."""
+    engine = engine_with(model, park_gb=0.05, checkpoint_every=8)
+    gdn = bool(engine.spec.gdn_layers())
+    driver = Driver(engine, 1)
+    turn1 = conversation(7)  # 14 tokens: checkpoints at 8 and 13
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(8))  # conversation 7 is parked, its checkpoints with it
+    edited = turn1 + answer[:3] + [9, 9, 9]
+    got, reused, _ = driver.run(edited)
+    assert reused == (len(turn1) - 1 if gdn else len(turn1) + 3)
+    fresh = Driver(engine_with(model, park_gb=0, checkpoint_every=8), 1)
+    assert got == fresh.run(edited)[0]
+    stayed = Driver(engine_with(model, park_gb=0, checkpoint_every=8), 1)  # held in its slot, not parked
+    stayed.run(turn1)
+    stayed_got, stayed_reused, _ = stayed.run(edited)
+    assert stayed_reused == reused and stayed_got == got
+    again, reused_again, _ = stayed.run(turn1)  # regenerate turn one's answer
+    assert reused_again == len(turn1) - 1 and again == answer
+    if gdn:
+        state = stayed.scheduler.slots.slots[0].state
+        assert sorted(state.checkpoints) == [8, 13] and state.checkpoint_nbytes() > 0
+        off = Driver(engine_with(model, park_gb=0), 1)  # checkpoints off: a GDN state is kept whole or not at all
+        off.run(turn1)
+        assert off.run(edited)[1] == 0
+
+
 def test_budget_zero_parks_nothing(model):
     engine = engine_with(model, park_gb=0)
     driver = Driver(engine, 2)

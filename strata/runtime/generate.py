@@ -45,9 +45,12 @@ class Engine:
                  weights: StageWeights | None = None, kernels: str = "auto", cuda_graphs: bool = True,
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
-                 park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None):
+                 park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
+                 checkpoint_every: int | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
-        `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off)."""
+        `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
+        `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
+        state before each prompt's last token is always kept); None turns checkpoints off."""
         self.files = files
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
@@ -62,6 +65,10 @@ class Engine:
         # where the host then works while the device computes, 0 on the CPU, where the host computes
         self.lookahead = (1 if self.device.type == "cuda" else 0) if lookahead is None else lookahead
         self.speculative = speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
+        if checkpoint_every is not None and checkpoint_every < 0:
+            raise StrataError(f"--checkpoint-every {checkpoint_every}: give 0 or more prompt tokens (0: only the "
+                              "checkpoint before each prompt's last token)")
+        self.checkpoint_every = checkpoint_every  # GDN checkpoints while prompts are read (`Slots`), None: none
         if speculative is not None:
             if lookahead == 1:
                 raise StrataError(f"--spec {speculative} needs --lookahead 0: the window after a drafting slot's "

@@ -153,7 +153,8 @@ class Scheduler:
                 break
             rid, request = next(iter(self.waiting.items()))
             del self.waiting[rid]
-            best = max(free, key=lambda i: (reusable(self.slots.slots[i].state.tokens, request.ids, truncatable),
+            best = max(free, key=lambda i: (reusable(self.slots.slots[i].state.tokens, request.ids, truncatable,
+                                                     self.slots.slots[i].state.checkpoints),
                                             -self.slots.slots[i].released))
             try:
                 reused = self.slots.admit(best, request.ids, request.max_new, request.params, self._stops(request),

@@ -113,6 +113,7 @@ class SlotWindow:
     copied: "torch.cuda.Event | None" = None  # recorded once that copy is queued
     deferred: bool = False  # its layers are queued, its sampling waits for the window before it to be read
     shared: list[int] = field(default_factory=list)  # samplers past the logit rows: the sampler whose row each shares
+    checkpoints: list[int] = field(default_factory=list)  # slots whose chunk ends at a GDN checkpoint's position
 
     @property
     def num_rows(self) -> int:
@@ -309,6 +310,7 @@ class Slots:
         if sw is None:
             return None
         logits = self.engine.forward(sw.window)
+        self._keep_checkpoints(sw)
         self._share(sw)
         self._then(sw, logits)
         return sw
@@ -359,12 +361,17 @@ class Slots:
         drafts = self._drafts(decoding, left) if latest is None and self.speculative else {}
         left -= sum(len(d) for d in drafts.values())
         chunks: list[tuple[int, list[int]]] = []
+        checkpoints: list[int] = []  # slots whose GDN states are kept after this window (`_next_checkpoint`)
         for i in sorted((i for i in members if self.slots[i].reading and self.slots[i].follows is None),
                         key=lambda i: self.slots[i].admitted):
             if left <= 0:
                 break
             slot = self.slots[i]
-            ids, slot.unread = slot.unread[:left], slot.unread[left:]
+            take, cut = left, self._next_checkpoint(slot)
+            if cut is not None and cut - slot.state.length <= left:  # the chunk ends where a checkpoint is kept
+                take = cut - slot.state.length
+                checkpoints.append(i)
+            ids, slot.unread = slot.unread[:take], slot.unread[take:]
             chunks.append((i, ids))
             left -= len(ids)
         if not decoding and not chunks:
@@ -391,7 +398,7 @@ class Slots:
             spans[i] = (row, len(ids), self.slots[i].state.length)
             row += len(ids)
         sw = SlotWindow(window, decoding, samplers, members, sum(len(ids) for _, ids in chunks), group=group,
-                        drafts=drafts, spans=spans, shared=shared)
+                        drafts=drafts, spans=spans, shared=shared, checkpoints=checkpoints)
         for f in followers:  # the leader's state once its prompt is read (`_share` queues the copy)
             slot = self.slots[f]
             slot.unread = []
@@ -456,6 +463,7 @@ class Slots:
                 window = sw.window = window.feed(sent.x if index is None else
                                                  sent.x[row_tensor(index, torch.int64, sent.x.device)])
             logits = self.engine.forward(window)
+            self._keep_checkpoints(sw)
             self._share(sw)
             if defer:
                 sw.logits, sw.deferred = logits, True
@@ -466,6 +474,25 @@ class Slots:
         else:  # fed and sampled in the stages' workers: the host thread only queues
             sw.future = self.engine.pipeline.launch(window, tokens=feed, then=lambda logits: self._then(sw, logits))
         self._flight.append(sw)
+
+    def _next_checkpoint(self, slot: Slot) -> int | None:
+        """Where the reading slot's next GDN checkpoint falls (`--checkpoint-every`): the next multiple of it, or its
+        prompt's last position (so the same prompt, or one that goes on from it, reads at most its last token
+        again), whichever comes first; None without GDN layers, checkpoints or one ahead in this prompt. Not with
+        pipelined groups (the stages' workers queue the windows)."""
+        every = self.engine.checkpoint_every
+        if every is None or not slot.state.conv or len(self.groups) > 1:
+            return None
+        at, end = slot.state.length, len(slot.prompt) - 1
+        cuts = [c for c in ((at // every + 1) * every if every else end, end)
+                if at < c <= end and c not in slot.state.checkpoints]
+        return min(cuts, default=None)
+
+    def _keep_checkpoints(self, sw: SlotWindow) -> None:
+        """Behind the window's layers: host copies of the GDN states of the slots whose chunk ended at a
+        checkpoint."""
+        for i in sw.checkpoints:
+            self.slots[i].state.checkpoint()
 
     def _share(self, sw: SlotWindow) -> None:
         """Queue, behind the window's layers, the copy of each leader's state (its prompt just read) into the slots

@@ -90,14 +90,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def reusable(held: Sequence[int], prompt: Sequence[int], truncatable: bool) -> int:
+def reusable(held: Sequence[int], prompt: Sequence[int], truncatable: bool, checkpoints: Iterable[int] = ()) -> int:
     """How many leading tokens of `prompt` a state holding the tokens `held` can serve, leaving at least one to
     read: their common prefix when the state can be cut (attention layers only), else all of `held` when it is a
-    prefix of the prompt, else none."""
+    prefix of the prompt, else the latest of its GDN `checkpoints` (positions) within their common prefix, else
+    none."""
     limit = len(prompt) - 1
     if truncatable:
         return min(common_prefix(held, prompt), max(limit, 0))
-    return len(held) if len(held) <= limit and list(prompt[: len(held)]) == list(held) else 0
+    if len(held) <= limit and list(prompt[: len(held)]) == list(held):
+        return len(held)
+    checkpoints = [c for c in checkpoints if c <= limit]
+    if not checkpoints:
+        return 0
+    shared = common_prefix(held, prompt)
+    return max((c for c in checkpoints if c <= shared), default=0)
 
 
 def snapshot_bytes(state: SessionState) -> int:
@@ -199,6 +206,7 @@ class Snapshot:
     fingerprint: str = ""  # the model's (`ParkingLot.fingerprint`)
     tokens_hash: str = ""  # of `tokens`, as parked
     sum: torch.Tensor | int = 0  # `checksum` of its tensors, taken on the state's device when parked
+    checkpoints: dict = field(default_factory=dict)  # the state's GDN checkpoints (host copies, shared with it)
 
     @property
     def length(self) -> int:
@@ -230,7 +238,9 @@ class Snapshot:
                 at += _aligned(t.numel() * t.element_size())
             dicts.append(host)
         snap = cls(list(state.tokens), *dicts, snapshot_bytes(state), (offset, at - offset),
-                   fingerprint=fingerprint, tokens_hash=token_hash(state.tokens), sum=total)
+                   fingerprint=fingerprint, tokens_hash=token_hash(state.tokens), sum=total,
+                   checkpoints=dict(state.checkpoints))
+        snap.copied += state.checkpoint_events  # the checkpoints' copies into host memory
         devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
         for device in devices:
             event = torch.cuda.Event()
@@ -272,8 +282,9 @@ class Snapshot:
         first (`problem`: nothing written when it fails) and after the copy (the checksum of what arrived: `state`
         is reset when it differs); either raises SnapshotRefused. Every parked cell is copied back, so the check
         covers them all (cells past `length` are never read)."""
-        if state.conv and length != self.length:
-            raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions, not {length}")
+        if state.conv and length != self.length and length not in self.checkpoints:
+            raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions or a checkpoint's "
+                             f"({sorted(self.checkpoints) or 'none'}), not {length}")
         problem = self.problem(state, fingerprint)
         if problem:
             raise SnapshotRefused(problem)
@@ -291,7 +302,8 @@ class Snapshot:
             state.reset()
             raise SnapshotRefused(f"its bytes changed since it was parked (checksum {arrived:#x}, parked "
                                   f"{int(self.sum):#x})")
-        state.truncate(length)
+        state.checkpoints = dict(self.checkpoints)
+        state.truncate(length)  # with GDN layers: back to the checkpoint at `length`
 
 
 class ParkingLot:
@@ -341,7 +353,7 @@ class ParkingLot:
         """The parked snapshot that serves the most leading tokens of `prompt`, and how many (0, None without one)."""
         found, count = None, 0
         for snap in self._snapshots.values():
-            n = reusable(snap.tokens, prompt, self.truncatable)
+            n = reusable(snap.tokens, prompt, self.truncatable, snap.checkpoints)
             if n > count:
                 found, count = snap, n
         return count, found
@@ -372,9 +384,9 @@ def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[Sess
     """Make `state` hold the longest reusable prefix of `prompt` found in itself, in an `idle` sequence (copied) or
     in a parked snapshot (restored); return its length, the prompt tokens that need no reading. Whatever `state`
     held that it does not keep is parked first (when the lot takes it)."""
-    count, source = reusable(state.tokens, prompt, lot.truncatable), state
+    count, source = reusable(state.tokens, prompt, lot.truncatable, state.checkpoints), state
     for other in idle:
-        if other is not state and (n := reusable(other.tokens, prompt, lot.truncatable)) > count:
+        if other is not state and (n := reusable(other.tokens, prompt, lot.truncatable, other.checkpoints)) > count:
             count, source = n, other
     parked, snap = lot.best(prompt)
     if parked > count:

@@ -64,6 +64,10 @@ class SessionState:
         self.recurrent = {i: t[index] for i, t in pool.recurrent.items()}  # [Hv, Dk, Dv] float32
         # with drafts: the GDN states after each drafted row of the window in flight, by position (`rollback`)
         self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # GDN checkpoints (`--checkpoint-every`): host copies of every GDN layer's (conv, recurrent) state as it was
+        # after the first `position` tokens, by position; the state can be cut back to any of them
+        self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.checkpoint_events: list = []  # CUDA events: the copies into host memory are done once they are
 
     @classmethod
     def standalone(cls, spec: ModelSpec, layers: range, max_cells: int, device: torch.device,
@@ -83,20 +87,58 @@ class SessionState:
         """Forget the sequence (K/V cells need no clearing: only cells below `length` are ever read)."""
         self.length = 0
         self.tokens = []
+        self.checkpoints = {}
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` positions (the cells past them are never read). A GDN state has absorbed
-        every token it holds, so with GDN layers only the whole length or 0 (a reset) can be kept."""
+        every token it holds, so with GDN layers only the whole length, 0 (a reset) or a checkpoint's position can
+        be kept (the GDN states then come back from the checkpoint)."""
         if length == self.length:
             return
         if length == 0:
             self.reset()
             return
         if self.conv:
-            raise ValueError(f"a GDN state cannot be cut from {self.length} to {length} positions")
+            if length not in self.checkpoints:
+                raise ValueError(f"a GDN state cannot be cut from {self.length} to {length} positions (checkpoints: "
+                                 f"{sorted(self.checkpoints) or 'none'})")
+            self.set_gdn(self.checkpoints[length])
         self.length, self.tokens = length, self.tokens[:length]
+        self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= length}
+
+    def cuts(self) -> set[int]:
+        """The lengths this state can be cut back to besides its own: any with attention layers only, else its
+        checkpoints' positions."""
+        return set(self.checkpoints) if self.conv else set(range(self.length))
+
+    @torch.inference_mode()
+    def checkpoint(self) -> None:
+        """Keep host copies of the GDN states as they are now, after `length` positions (queued behind the windows
+        in flight on a GPU: the state is the one their last row leaves)."""
+        if not self.conv:
+            return
+        kept, devices = {}, set()
+        for i in self.conv:
+            kept[i] = tuple(_host_copy(t) for t in (self.conv[i], self.recurrent[i]))
+            devices.add(self.conv[i].device)
+        for device in devices:
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self.checkpoint_events.append(event)
+        self.checkpoints[self.length] = kept
+
+    def checkpoint_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.checkpoints.values() for pair in c.values() for t in pair)
+
+    @torch.inference_mode()
+    def set_gdn(self, states: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put GDN states (a checkpoint's) back into this sequence's (asynchronously from pinned host memory)."""
+        for i, (conv, recurrent) in states.items():
+            self.conv[i].copy_(conv, non_blocking=True)
+            self.recurrent[i].copy_(recurrent, non_blocking=True)
 
     def keep(self, position: int, layer: int) -> None:
         """Keep a copy of a GDN layer's conv and recurrent state as they are after `position` (a drafted row)."""
@@ -116,18 +158,33 @@ class SessionState:
     @torch.inference_mode()
     def copy_from(self, other: "SessionState", length: int | None = None) -> None:
         """Become a copy of `other` (same layers): its first `length` committed K/V cells (all by default), GDN
-        states and tokens. A GDN state can only be copied whole."""
+        states and tokens, and its checkpoints up to `length` (host copies, shared). A GDN state is copied whole,
+        or taken from `other`'s checkpoint at `length`."""
         n = other.length if length is None else length
-        if self.conv and n != other.length:
-            raise ValueError(f"a GDN state cannot be cut: copy all {other.length} positions, not {n}")
+        if self.conv and n != other.length and n not in other.checkpoints:
+            raise ValueError(f"a GDN state cannot be cut: copy all {other.length} positions or a checkpoint's "
+                             f"({sorted(other.checkpoints) or 'none'}), not {n}")
         for i in self.k:
             self.k[i][:n] = other.k[i][:n]
             self.v[i][:n] = other.v[i][:n]
-        for i in self.conv:
-            self.conv[i].copy_(other.conv[i])
-            self.recurrent[i].copy_(other.recurrent[i])
+        if n == other.length:
+            for i in self.conv:
+                self.conv[i].copy_(other.conv[i])
+                self.recurrent[i].copy_(other.recurrent[i])
+        elif self.conv:
+            self.set_gdn(other.checkpoints[n])
         self.length, self.tokens = n, other.tokens[:n]
+        self.checkpoints = {p: c for p, c in other.checkpoints.items() if p <= n}
 
     def nbytes(self) -> int:
         tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory: pinned and asynchronous from a GPU."""
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
