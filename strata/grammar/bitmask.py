@@ -27,7 +27,7 @@ class HostBitmask:
     """One host bitmask reused window after window (the engine's): pinned when the logits live on a GPU, so
     `apply_bitmask` sends it up without a staging copy, and refilled only once the device has read what it held.
 
-        bitmask = host.take(rows)      # [rows, words], every token allowed
+        bitmask = host.take(rows)      # [rows, words], as the last window left them
         fill_bitmask(bitmask, [...]); apply_bitmask(logits, bitmask, [...]); host.sent()
     """
 
@@ -41,9 +41,7 @@ class HostBitmask:
             self._buffer = new_bitmask(max(rows, 64), self.vocab, pinned=self.device.type == "cuda")
         elif self._read is not None:
             self._read.synchronize()  # the device has long read it in practice: a window ran in between
-        view = self._buffer[:rows]
-        view.fill_(-1)
-        return view
+        return self._buffer[:rows]  # not cleared: fill the rows you apply (a fill writes each of its rows whole)
 
     def sent(self) -> None:
         """Call once the bitmask is applied: the next `take` waits for the device to have read it."""
