@@ -32,6 +32,15 @@ COMBINATIONS = {
                               "server.apiKey.existingSecret=strata-key"],
     "server-cpu": [*SERVER_ON, "server.gpus=0", "server.device=cpu", "server.modelCache.type=emptyDir"],
     "everything": [*SERVER_ON, *MONITORING_ON],
+    "server-client-ip": [*SERVER_ON, "server.service.sessionAffinity=ClientIP",
+                         "server.service.sessionAffinityTimeoutSeconds=3600"],
+    "server-ingress": [*SERVER_ON, "server.ingress.enabled=true"],
+    "server-ingress-header": [*SERVER_ON, "server.ingress.enabled=true", "server.ingress.className=nginx",
+                              "server.ingress.host=llm.example.com", "server.ingress.affinity=header",
+                              "server.ingress.tls[0].secretName=strata-tls",
+                              "server.ingress.tls[0].hosts[0]=llm.example.com"],
+    "server-ingress-custom-header": [*SERVER_ON, "server.ingress.enabled=true", "server.ingress.affinity=header",
+                                     "server.ingress.sessionHeader=X-Chat-Id", "server.service.port=80"],
     "monitoring-off": ["dashboards.enabled=false", "serviceMonitor.enabled=false", "prometheusRule.enabled=false"],
 }
 PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
@@ -121,7 +130,7 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered
             validate_k8s(obj, f"{name}: ")
             checked.add(obj["kind"])
     assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount", "ClusterRole",
-            "ClusterRoleBinding", "RoleBinding", "ConfigMap", "PersistentVolumeClaim"} <= checked
+            "ClusterRoleBinding", "RoleBinding", "ConfigMap", "PersistentVolumeClaim", "Ingress"} <= checked
 
 
 def test_default_values_install_the_operator_crd_and_dashboards(rendered):
@@ -195,6 +204,10 @@ def test_crd_has_the_operator_issue_fields(rendered):
             "nodeSelector", "tolerations", "storage", "service", "monitoring"} <= set(spec)
     assert {"batch", "batchGroups", "layerSplit", "trimStageWeights", "context", "extraArgs"} <= set(spec["engine"]["properties"])
     assert {"enabled", "expectedConcurrency", "context"} <= set(spec["autoconfig"]["properties"])
+    service = spec["service"]["properties"]
+    assert service["sessionAffinity"]["enum"] == ["None", "ClientIP"] and service["sessionAffinity"]["default"] == "None"
+    assert (service["sessionAffinityTimeoutSeconds"]["minimum"], service["sessionAffinityTimeoutSeconds"]["maximum"]) == (
+        1, 86400)
     status = schema["properties"]["status"]["properties"]
     assert {"conditions", "observedGeneration", "replicas", "readyReplicas", "selector", "profiles"} <= set(status)
     condition = status["conditions"]["items"]
@@ -228,7 +241,9 @@ def test_documented_resource_validates_and_bad_ones_do_not(rendered):
     jsonschema.validate({**resource, "status": status}, schema)
     for path, bad in ((("spec", "replicas"), -1), (("spec", "engine", "batch"), "many"),
                       (("spec", "service", "type"), "Ingress"), (("spec", "model"), ""),
-                      (("spec", "engine", "layerSplit"), "half")):
+                      (("spec", "engine", "layerSplit"), "half"), (("spec", "service", "sessionAffinity"), "Cookie"),
+                      (("spec", "service", "sessionAffinityTimeoutSeconds"), 0),
+                      (("spec", "service", "sessionAffinityTimeoutSeconds"), 86401)):
         broken = json.loads(json.dumps(resource))
         node = broken
         for key in path[:-1]:
@@ -403,6 +418,63 @@ def test_service_monitor_scrapes_the_server_service_as_job_strata(rendered):
     assert only(labelled, "PrometheusRule")["metadata"]["labels"]["release"] == "kps"
 
 
+# routing a conversation's follow-ups to the replica that parked it
+
+def test_the_service_keeps_a_client_on_one_replica_only_with_client_ip_affinity(rendered):
+    plain = only(rendered["server-only"], "Service", "server")["spec"]
+    assert plain["sessionAffinity"] == "None" and "sessionAffinityConfig" not in plain
+    pinned = only(rendered["server-client-ip"], "Service", "server")["spec"]
+    assert pinned["sessionAffinity"] == "ClientIP"
+    assert pinned["sessionAffinityConfig"] == {"clientIP": {"timeoutSeconds": 3600}}
+    defaulted = only(helm_template(*SERVER_ON, "server.service.sessionAffinity=ClientIP"), "Service", "server")
+    assert defaulted["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] == 10800
+
+
+def ingress_backend(objects: list[dict]) -> tuple[dict, dict]:
+    """The Ingress's one rule and path, after checking that it leads to the server Service's port."""
+    ingress = only(objects, "Ingress", "server")
+    service = only(objects, "Service", "server")
+    (rule,) = ingress["spec"]["rules"]
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    backend = path["backend"]["service"]
+    assert backend["name"] == service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert backend["port"] == {"name": port["name"]}
+    return ingress, rule
+
+
+def test_the_ingress_is_off_by_default_and_leads_to_the_server_service(rendered):
+    assert not by_kind(rendered["server-only"], "Ingress") and not by_kind(rendered["everything"], "Ingress")
+    ingress, rule = ingress_backend(rendered["server-ingress"])
+    assert "host" not in rule and "tls" not in ingress["spec"] and "ingressClassName" not in ingress["spec"]
+    assert "annotations" not in ingress["metadata"], "no affinity: no hash annotation"
+    ingress, rule = ingress_backend(rendered["server-ingress-header"])
+    assert rule["host"] == "llm.example.com" and ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"secretName": "strata-tls", "hosts": ["llm.example.com"]}]
+    proc = run([tool("helm"), "template", "strata", str(CHART), "--set", "server.ingress.enabled=true"], check=False)
+    assert proc.returncode != 0 and "server.ingress.enabled needs server.enabled" in proc.stderr, proc.stderr
+
+
+def test_header_affinity_hashes_the_session_header_in_ingress_nginx(rendered):
+    ingress, _ = ingress_backend(rendered["server-ingress-header"])
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/upstream-hash-by": "$http_x_session_id"}
+    custom, _ = ingress_backend(rendered["server-ingress-custom-header"])  # the Service on port 80: still matched
+    assert custom["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_chat_id"
+    nginx = "server.ingress.annotations.nginx\\.ingress\\.kubernetes\\.io"
+    mine = only(helm_template(*COMBINATIONS["server-ingress-header"], f"{nginx}/upstream-hash-by=$http_x_tenant",
+                              f"{nginx}/proxy-body-size=8m"), "Ingress")
+    assert mine["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/upstream-hash-by": "$http_x_tenant",
+                                               "nginx.ingress.kubernetes.io/proxy-body-size": "8m"}, "the user's win"
+
+
+def test_the_schema_refuses_a_bad_session_affinity_with_a_clear_message():
+    proc = run([tool("helm"), "template", "strata", str(CHART), "--set", "server.service.sessionAffinity=Cookie"],
+               check=False)
+    assert proc.returncode != 0
+    assert "/server/service/sessionAffinity" in proc.stderr and "'None', 'ClientIP'" in proc.stderr, proc.stderr
+
+
 def test_dashboards_are_configmaps_for_the_grafana_sidecar_holding_the_files(rendered):
     maps = by_kind(rendered["everything"], "ConfigMap")
     files = sorted((CHART / "dashboards").glob("*.json"))
@@ -430,6 +502,9 @@ def test_notes_render_for_an_install():
     "server.service.type=Ingress", "image.pullPolicy=Sometimes", "server.enabled=yes", "server.gpus=-1",
     "server.modelCache.type=nfs", "server.replica=2", "serviceMonitor.interval=15", "server.dtype=int4",
     "server.device=tpu", "operator.watchNamespaces={Team_A}", "prometheusRule.runbookBaseUrl=docs",
+    "server.service.sessionAffinity=Cookie", "server.service.sessionAffinityTimeoutSeconds=0",
+    "server.service.sessionAffinityTimeoutSeconds=86401", "server.ingress.affinity=cookie",
+    "server.ingress.sessionHeader=X_Session_Id", "server.ingress.host=LLM.example.com", "server.ingress.hosts=a",
 ])
 def test_schema_rejects_wrong_types_enums_and_unknown_keys(bad):
     proc = run([tool("helm"), "template", "strata", str(CHART), "--set", bad], check=False)

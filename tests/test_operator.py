@@ -134,6 +134,9 @@ def test_spec_defaults_are_the_crds():
     assert spec.storage.mount_path == props["storage"]["properties"]["mountPath"]["default"] == "/models"
     assert spec.service.type == props["service"]["properties"]["type"]["default"]
     assert spec.service.port == props["service"]["properties"]["port"]["default"] == 8000
+    service = props["service"]["properties"]
+    assert spec.service.session_affinity == service["sessionAffinity"]["default"] == "None"
+    assert spec.service.session_affinity_timeout_seconds == service["sessionAffinityTimeoutSeconds"]["default"] == 10800
     assert spec.monitoring.enabled is props["monitoring"]["properties"]["enabled"]["default"] is True
     # every field of the CRD's spec is read (and modelFacts, which the operator adds: docs/OPERATOR.md)
     assert set(props) <= {f.alias for f in Spec.model_fields.values()}
@@ -295,7 +298,8 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
                           resources={"requests": {"cpu": 8, "memory": "64Gi"}, "limits": {"memory": "96Gi"}},
                           tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                           storage={"volume": {"persistentVolumeClaim": {"claimName": "models"}}, "shmSize": "16Gi"},
-                          service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
+                          service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"},
+                                   "sessionAffinity": "ClientIP", "sessionAffinityTimeoutSeconds": 600},
                           engine={"extraArgs": ["--max-window-tokens", "1024"]}, monitoring={"enabled": False}),
              dict(gpusPerReplica=0, nodeSelector={"kubernetes.io/hostname": "fresh"})]
     kinds = set()
@@ -368,6 +372,28 @@ def test_the_service_is_what_the_servicemonitor_selects():
     assert builders.selector(resource_) == ",".join(f"{k}={v}" for k, v in sorted(service["spec"]["selector"].items()))
     quiet = builders.build_service(sd(monitoring={"enabled": False}))
     assert "app.kubernetes.io/component" not in quiet["metadata"]["labels"]
+
+
+def test_client_ip_affinity_pins_a_client_to_the_replica_holding_its_conversations():
+    plain = builders.build_service(sd())["spec"]
+    assert plain["sessionAffinity"] == "None" and "sessionAffinityConfig" not in plain
+    pinned = builders.build_service(sd(service={"sessionAffinity": "ClientIP", "sessionAffinityTimeoutSeconds": 600}))
+    assert pinned["spec"]["sessionAffinity"] == "ClientIP"
+    assert pinned["spec"]["sessionAffinityConfig"] == {"clientIP": {"timeoutSeconds": 600}}
+    validate_k8s(pinned)
+    default = builders.build_service(sd(service={"sessionAffinity": "ClientIP"}))["spec"]
+    assert default["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] == 10800  # as Kubernetes' default
+
+
+@pytest.mark.parametrize("service", [{"sessionAffinity": "Cookie"}, {"sessionAffinity": "clientip"},
+                                     {"sessionAffinityTimeoutSeconds": 0}, {"sessionAffinityTimeoutSeconds": 86401}])
+def test_the_crd_and_the_spec_refuse_a_bad_session_affinity(service):
+    from pydantic import ValidationError
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(resource(service=service), crd_schema())
+    with pytest.raises(ValidationError):
+        sd(service=service)
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -678,6 +704,19 @@ def test_an_impossible_spec_is_degraded_and_creates_nothing(operator, deployed):
     events = wait_for("a Warning event", lambda: [e for e in json.loads(operator.core.list_namespaced_event(
         ns, _preload_content=False).data)["items"] if e.get("reason") == "DoesNotFit"])
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == name
+
+
+def test_session_affinity_is_applied_to_the_service_and_removed_again(operator, deployed):
+    ns, name = "team-g", "sticky"
+    deployed(resource(name, ns, service={"sessionAffinity": "ClientIP", "sessionAffinityTimeoutSeconds": 900}))
+    pinned = wait_for("a ClientIP Service", lambda: (s := operator.get("Service", ns, name)) and
+                      s["spec"].get("sessionAffinity") == "ClientIP" and s)
+    assert pinned["spec"]["sessionAffinityConfig"] == {"clientIP": {"timeoutSeconds": 900}}
+    operator.patch_spec(ns, name, {"service": {"sessionAffinity": "None"}})
+    # the API server refuses sessionAffinityConfig beside None: the operator removes it, not only changes the kind
+    plain = wait_for("the affinity off", lambda: (s := operator.get("Service", ns, name)) and
+                     s["spec"]["sessionAffinity"] == "None" and s)
+    assert "sessionAffinityConfig" not in plain["spec"]
 
 
 def test_deleting_a_resource_removes_its_children_and_its_finalizer(operator):

@@ -181,7 +181,8 @@ def _resources(resources: dict[str, Any], gpus: int) -> dict[str, Any]:
 
 def build_service(sd: StrataDeployment) -> dict:
     """One Service over every profile's pods: the OpenAI API and /metrics on the port the ServiceMonitor scrapes.
-    With monitoring on it carries `app.kubernetes.io/component: server`, which the ServiceMonitor selects."""
+    With monitoring on it carries `app.kubernetes.io/component: server`, which the ServiceMonitor selects. Its
+    session affinity is always said: ClientIP keeps a client address on the replica that parked its conversations."""
     spec = sd.spec
     labels = owned_labels(sd)
     if spec.monitoring.enabled:
@@ -189,12 +190,18 @@ def build_service(sd: StrataDeployment) -> dict:
     metadata: dict[str, Any] = {"name": service_name(sd), "namespace": sd.namespace, "labels": labels}
     if spec.service.annotations:
         metadata["annotations"] = dict(spec.service.annotations)
-    return {
-        "apiVersion": "v1", "kind": "Service", "metadata": metadata,
-        "spec": {
-            "type": spec.service.type,
-            "selector": selector_labels(sd),
-            "ports": [{"name": METRICS_PORT_NAME, "port": spec.service.port, "targetPort": "http",
-                       "protocol": "TCP"}],
-        },
+    service_spec: dict[str, Any] = {
+        "type": spec.service.type,
+        "selector": selector_labels(sd),
+        "ports": [{"name": METRICS_PORT_NAME, "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+        "sessionAffinity": spec.service.session_affinity,
     }
+    if spec.service.session_affinity == "ClientIP":
+        service_spec["sessionAffinityConfig"] = {
+            "clientIP": {"timeoutSeconds": spec.service.session_affinity_timeout_seconds}}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": service_spec}
+
+
+# Fields a builder leaves out when they must not be there: `Kube.apply` removes them from the live object (a merge
+# patch only adds and changes). The API server refuses a sessionAffinityConfig beside sessionAffinity None.
+CLEARED_WHEN_ABSENT: dict[str, tuple[tuple[str, ...], ...]] = {"Service": (("spec", "sessionAffinityConfig"),)}

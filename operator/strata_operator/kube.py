@@ -1,6 +1,7 @@
 """The few API calls the operator makes, on plain dicts, through the `kubernetes` client (synchronous: kopf runs
-the handlers in threads). `apply` creates a child or merge-patches it when it differs from what is wanted, and
-does nothing when it does not, so a reconcile that changes nothing writes nothing."""
+the handlers in threads). `apply` creates a child or merge-patches it when it differs from what is wanted (and
+removes the fields that `builders.CLEARED_WHEN_ABSENT` says must go when the wanted object lacks them), and does
+nothing when it does not, so a reconcile that changes nothing writes nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from strata_operator.builders import MANAGER
+from strata_operator.builders import CLEARED_WHEN_ABSENT, MANAGER
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -58,9 +59,19 @@ class Kube:
                 if e.status != 409:  # made meanwhile (another handler of the same resource): patch it below
                     raise
                 live = self.read(kind, meta["namespace"], meta["name"]) or {}
-        if contains(live, obj):
+        stale = [path for path in CLEARED_WHEN_ABSENT.get(kind, ()) if _at(live, path) is not None
+                 and _at(obj, path) is None]
+        if contains(live, obj) and not stale:
             return live, "unchanged"
-        patched = calls["patch"](meta["name"], meta["namespace"], obj, field_manager=MANAGER,
+        patch = obj
+        if stale:  # null removes a field in a merge patch (RFC 7386)
+            patch = json.loads(json.dumps(obj))
+            for path in stale:
+                node = patch
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = None
+        patched = calls["patch"](meta["name"], meta["namespace"], patch, field_manager=MANAGER,
                                  _content_type=MERGE_PATCH, _preload_content=False)
         return _raw(patched), "patched"
 
@@ -91,6 +102,14 @@ def contains(live: Any, wanted: Any) -> bool:
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
     return live == wanted
+
+
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
 
 
 def _controlled_by(obj: dict, uid: str) -> bool:

@@ -42,6 +42,9 @@ class Service(_Camel):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(8000, ge=1, le=65535)
     annotations: dict[str, str] = Field(default_factory=dict)
+    # ClientIP: kube-proxy keeps a client address on one replica, the one its conversations are parked on
+    session_affinity: Literal["None", "ClientIP"] = "None"
+    session_affinity_timeout_seconds: int = Field(10800, ge=1, le=86400)
 
 
 class Monitoring(_Camel):
