@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from serve.errors import APIError
 from serve.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields,
                            TokenizeRequest)
-from serve.tools import HERMES, ToolFormat, template_messages, tool_format
+from serve.tools import HERMES, QWEN3_CODER, ToolFormat, template_messages, tool_format
 from strata.errors import StrataError
 from strata.grammar import Constraint, tool_call_constraint
 from strata.model.tokenizer import Tokenizer
@@ -40,12 +41,14 @@ def sample_seed(seed: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How a chat answer's tool calls are read: the model's format (`serve.tools`), the names it may call (a call
-    to any other is content), whether it may make several (`parallel_tool_calls`; when not, the answer ends with
-    its first call), and whether the grammar forces a call (`tool_choice` "required" or a named function)."""
+    """How a chat answer's tool calls are read: the model's format (`serve.tools`), the functions it may call (a
+    call to any other is content), each with its parameters schema (None where it has none; Qwen3-Coder's XML
+    values are converted by it), whether it may make several (`parallel_tool_calls`; when not, the answer ends
+    with its first call), and whether the grammar forces a call (`tool_choice` "required" or a named function).
+    `names` goes to `serve.tools.ToolCallStream` as it is."""
 
     fmt: ToolFormat
-    names: frozenset[str]
+    names: Mapping[str, dict | None] = field(hash=False)
     parallel: bool
     forced: bool = False
 
@@ -70,12 +73,9 @@ def tool_plan(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenize
     if not tools or body.tool_choice_value() == "none":
         return None
     fmt = tool_format(tokenizer.chat_template, family)
-    if fmt is None:
-        raise APIError(400, "tools: this model's chat template asks for a tool-call format Strata does not read yet "
-                            "(Qwen3-Coder's XML calls, `<function=...>`), so it refuses tools rather than misread "
-                            "the model's calls", param="tools")
     parallel = getattr(body, "parallel_tool_calls", True)
-    return ToolPlan(fmt, frozenset(names), parallel, forced=body.tool_choice_value() != "auto")
+    schemas = {t.function.name: t.function.parameters for t in tools}
+    return ToolPlan(fmt, schemas, parallel, forced=body.tool_choice_value() != "auto")
 
 
 def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer,
@@ -164,12 +164,15 @@ def _structured(key: str, value, param: str):
 def forced_call_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint:
     """`tool_choice` "required" (any tool; several calls with `parallel_tool_calls` where the format separates
     them) or a named function (one call of it), in the text form the model writes calls in, so the parser
-    (`serve.tools`) reads the forced call like any other: Hermes' `<tool_call>` blocks, or Llama 3's bare JSON
-    object with "parameters"."""
+    (`serve.tools`) reads the forced call like any other: Hermes' `<tool_call>` blocks, Llama 3's bare JSON
+    object with "parameters", or Qwen3-Coder's XML `<tool_call>` blocks."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     choice = body.tool_choice_value()
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     fmt = plan.fmt
+    if fmt is QWEN3_CODER:
+        # strata.grammar.tools writes the block as Qwen3-Coder's template writes a past call, blocks "\n" apart
+        return tool_call_constraint(tools, name, wrap="qwen3_coder", parallel=plan.parallel and name is None)
     if (fmt.prefix, fmt.suffix, fmt.separator) == (HERMES.prefix, HERMES.suffix, HERMES.separator):
         # strata.grammar.tools writes the same text: "<tool_call>\n" json "\n</tool_call>", blocks "\n" apart
         return tool_call_constraint(tools, name, wrap="hermes", parallel=plan.parallel and name is None,

@@ -7,6 +7,9 @@ Formats (`ToolFormat`), chosen from the chat template's text (`tool_format`):
 - `LLAMA3_JSON` (Llama 3.1+ templates): `{"name": ..., "parameters": {...}}` at the start of the answer or after
   `<|python_tag|>`, several separated by `;`.
 Both read either key, "arguments" or "parameters".
+- `QWEN3_CODER` (Qwen3-Coder and Qwen3.5 templates, which ask for `<function=...>`): XML calls,
+  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nvalue\\n</parameter>\\n...</function>\\n</tool_call>`, possibly
+  several, possibly after text; each value is raw text converted by its parameter's schema (`xml_value`).
 
 Parsing is one streaming parser (`ToolCallStream`); `parse_tool_calls` feeds it the whole text, so a streamed
 answer and the same answer parsed whole always agree. Its rules:
@@ -18,13 +21,25 @@ answer and the same answer parsed whole always agree. Its rules:
   streamed as far as they are certainly well formed, and where the model's JSON breaks or the text ends, they
   are closed there (`{"city": "Par` gives `{"city": "Par"}`), so `arguments` is always valid JSON. Raw
   control characters inside strings are escaped (`\\n`); arguments given as a JSON string are decoded.
+- Qwen3-Coder's XML calls are read as vLLM's `qwen3_coder` parser reads them. A call opens at `<tool_call>` (or at
+  a bare `<function=`, which some answers write without the wrapper); its name runs to `>`. Until the name is
+  read, anything wrong (no `<function=` after `<tool_call>`, a name with a newline, a name not among `names`)
+  makes the block plain content. Once the name is out (the call's header, then `{`), each parameter is streamed
+  whole when its value ends: at `</parameter>`, or where the model forgot it, at the next `<parameter=`, at
+  `</function>` or `</tool_call>`; one newline after `<parameter=KEY>` and one before the end are not part of
+  the value. `</function>` closes the arguments (`}`); the rest of the block up to `</tool_call>` is dropped.
+  Text between parameters is ignored, a parameter named twice keeps its first value, and an answer that ends
+  inside a call has its arguments closed there (a value cut off is kept up to where a closing marker may
+  begin). The arguments are the JSON object of the converted values, `{"city": "Paris", "days": 3}`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,12 +47,17 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 
+from serve.errors import APIError
+from strata.grammar.tools import (XML_CALL_END, XML_CALL_START, XML_FUNCTION, XML_FUNCTION_END, XML_PARAMETER,
+                                  XML_PARAMETER_END, XML_VALUE_ENDS, json_types, value_types)
+
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How one model family writes a call. `prefix` + the call's JSON + `suffix` is one call as the model
-    writes it, calls joined by `separator` (what a grammar for `tool_choice` "required" or a named function
-    builds on); `arguments_key` is the JSON key of the arguments there."""
+    """How one model family writes a call. `prefix` + the call + `suffix` is one call as the model writes it,
+    calls joined by `separator` (what a grammar for `tool_choice` "required" or a named function builds on).
+    `markup` "json": the call is a JSON object, its arguments under `arguments_key`; "xml": Qwen3-Coder's
+    `<function=NAME>` element, one `<parameter=KEY>` element per argument (`strata.grammar.tools`)."""
 
     name: str
     start: str  # the marker that opens a call anywhere in the answer
@@ -45,11 +65,14 @@ class ToolFormat:
     prefix: str
     suffix: str
     separator: str
-    arguments_key: str
+    arguments_key: str  # "" where the arguments are no JSON object (xml)
+    markup: str = "json"
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", "<|python_tag|>", "", "", "", "; ", "parameters")
+QWEN3_CODER = ToolFormat("qwen3_coder", XML_CALL_START, XML_CALL_END, XML_CALL_START + "\n", "\n" + XML_CALL_END,
+                         "\n", "", markup="xml")
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -71,17 +94,16 @@ def new_call_id() -> str:
 # -- which format, and how tools reach the model ----------------------------------------------------------
 
 
-def tool_format(chat_template: str | None, family: str | None = None) -> ToolFormat | None:
+def tool_format(chat_template: str | None, family: str | None = None) -> ToolFormat:
     """The format a model writes calls in. A template that does not read `tools` gets Strata's Hermes prompt
     (`template_messages`), so `HERMES`; one that does names its format in its text (`<tool_call>`: Hermes;
-    `<|python_tag|>` or "ipython": Llama 3); `family` (Strata's family name) decides where it names neither.
-    None: the template asks for Qwen3-Coder's XML calls (`<function=...>`, Qwen3.5's template), which Strata
-    does not parse yet (refuse `tools` for such a model rather than misread its calls)."""
+    `<|python_tag|>` or "ipython": Llama 3; `<function=`: Qwen3-Coder's XML calls, as Qwen3-Coder's and Qwen3.5's
+    templates ask for them); `family` (Strata's family name) decides where it names none."""
     text = chat_template or ""
     if not template_takes_tools(text):
         return HERMES
-    if "<function=" in text:
-        return None
+    if XML_FUNCTION in text:
+        return QWEN3_CODER
     if "<tool_call>" in text:
         return HERMES
     if "<|python_tag|>" in text or "ipython" in text or family == "llama":
@@ -122,7 +144,10 @@ def template_messages(
     """
     offered = list(tools or []) if tool_choice != "none" else []
     if template_takes_tools(chat_template):
-        return [_native_message(m) for m in messages], ({"tools": offered} if offered else {})
+        native = [_native_message(m) for m in messages]
+        if _ITEMS_OF_ARGUMENTS.search(chat_template):
+            _check_argument_objects(native)
+        return native, ({"tools": offered} if offered else {})
     out: list[dict] = []
     results = False  # the last message of `out` is a turn of tool results
     for m in messages:
@@ -176,12 +201,34 @@ def _text(content) -> str:
 
 
 def _arguments_object(arguments):
+    """A past call's arguments as the object they stand for: JSON text parsed, no text at all `{}`; text that is
+    not JSON stays as it is."""
     if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}
         try:
             return json.loads(arguments)
         except json.JSONDecodeError:
             return arguments
     return arguments
+
+
+# A template that walks a past call's arguments key by key (Qwen3-Coder's and Qwen3.5's: `arguments|items`).
+_ITEMS_OF_ARGUMENTS = re.compile(r"arguments\s*\|\s*items\b|arguments\.items\(\)")
+
+
+def _check_argument_objects(messages: list[dict]) -> None:
+    """For a template that walks each past call's arguments key by key: every call's arguments are an object."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            arguments = call["function"]["arguments"]
+            if not isinstance(arguments, dict):
+                field = f"messages.{i}.tool_calls.{j}.function.arguments"
+                shown = json.dumps(arguments, ensure_ascii=False)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise APIError(400, f"{field}: this model's chat template writes a past call's arguments one by one, "
+                                    f"so they must be the text of a JSON object (such as {{\"city\": \"Paris\"}}), "
+                                    f"and they are {shown}; send the call's arguments as a JSON object", param=field)
 
 
 def _call_json(call: dict) -> str:
@@ -351,25 +398,47 @@ class _Call:
         self.good: tuple[int, str] | None = None  # the longest arguments prefix known to close: (end, closers)
 
 
+class _XmlCall:
+    def __init__(self, opener: str, wrapped: bool):
+        self.opener = opener  # the text read since the block began (content again if this is no call)
+        self.wrapped = wrapped  # opened by <tool_call>: after </function>, the rest up to </tool_call> is dropped
+        self.index = -1
+        self.name: str | None = None
+        self.properties: dict = {}  # the function's parameters schema's properties (values are converted by them)
+        self.root: dict = {}  # the parameters schema (what a property's "$ref" points into)
+        self.param: str | None = None  # the parameter whose value is being read
+        self.seen: set[str] = set()  # parameters streamed
+        self.scanned = 0  # characters of the value known to hold no end marker
+
+
 class ToolCallStream:
     """Feed the answer's text as it comes; get OpenAI chat completion `delta` dicts as vLLM streams them:
     `{"content": ...}` until a call begins (text that may be the start of a marker is held back), then per call
     `{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}` once its name
     is read and `{"tool_calls": [{"index", "function": {"arguments": piece}}]}` whose pieces join into its
     arguments. `finish` flushes and says whether a call was made (finish_reason "tool_calls"). `ended` counts the
-    calls read to their end, so a server can end the answer at its first call (`parallel_tool_calls` false)."""
+    calls read to their end, so a server can end the answer at its first call (`parallel_tool_calls` false).
+
+    `names`: the functions that may be called (a call to another is content; None: any), either names or a
+    mapping of each name to its parameters schema, which the XML format converts values by (a name without a
+    schema: every value is JSON if it reads as JSON, else a string)."""
 
     def __init__(self, fmt: ToolFormat, names=None, make_id=new_call_id):
         self.fmt = fmt
         self.names = set(names) if names is not None else None  # a call to another name is content
+        self.schemas = dict(names) if isinstance(names, Mapping) else {}
         self.make_id = make_id
         self.calls = 0
         self.ended = 0  # calls whose JSON has been read to its end (or to where it broke): no more arguments come
         self._buf = ""  # text read but not decided yet
         self._ws = ""  # whitespace held at the end of the content
-        self._mode = "text"  # text, opening, call, after (to the end marker), broken (content to the end marker)
+        # text, opening, call, after (to the end marker), broken (content to the end marker); xml: xml_open (after
+        # <tool_call>), xml_name, xml_body (between parameters), xml_param (a parameter's name), xml_value
+        self._mode = "text"
+        self._xml = fmt.markup == "xml"
+        self._openers = (fmt.start, XML_FUNCTION) if self._xml else (fmt.start,)
         self._json_may_open = fmt.end == ""  # Llama: a bare JSON object may open a call here
-        self._call: _Call | None = None
+        self._call: _Call | _XmlCall | None = None
         self._out: list[dict] = []
 
     def feed(self, text: str) -> list[dict]:
@@ -392,7 +461,9 @@ class ToolCallStream:
 
     def _run(self, final: bool) -> None:
         step = {"text": self._text, "opening": self._opening, "call": self._read_call,
-                "after": self._to_end, "broken": self._to_end}
+                "after": self._to_end, "broken": self._to_end, "xml_open": self._xml_open,
+                "xml_name": self._xml_name, "xml_body": self._xml_body, "xml_param": self._xml_param,
+                "xml_value": self._xml_value}
         while step[self._mode](final):
             pass
 
@@ -407,6 +478,11 @@ class ToolCallStream:
         self._ws = full[len(kept):]
 
     def _open(self, opener: str) -> None:
+        if self._xml:  # a `<function=` inside a block (after a call, or in a broken one) belongs to the block
+            block = opener == self.fmt.start
+            self._call = _XmlCall(opener, wrapped=block or self._mode in ("after", "broken"))
+            self._mode = "xml_open" if block else "xml_name"
+            return
         self._call = _Call(opener)
         self._mode = "opening"
 
@@ -425,13 +501,13 @@ class ToolCallStream:
             if buf[0] == "{":
                 self._open("")
                 return True
-        at = buf.find(self.fmt.start)
+        at, marker = _first(buf, self._openers)
         if at >= 0:
             self._content(buf[:at])
-            self._buf = buf[at + len(self.fmt.start):]
-            self._open(self.fmt.start)
+            self._buf = buf[at + len(marker):]
+            self._open(marker)
             return True
-        keep = 0 if final else _partial_marker(buf, (self.fmt.start,))
+        keep = 0 if final else _partial_marker(buf, self._openers)
         self._content(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
@@ -479,6 +555,7 @@ class ToolCallStream:
                     return False
                 call.name, call.index = name, self.calls
                 self.calls += 1
+                self._ws = ""  # the whitespace before a call separates it: no content after all
                 self._emit({"tool_calls": [{"index": call.index, "id": self.make_id(), "type": "function",
                                             "function": {"name": name, "arguments": ""}}]})
         span = _arguments_span(json_)
@@ -511,6 +588,9 @@ class ToolCallStream:
             self._emit({"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]})
 
     def _end_call(self, complete: bool = False) -> None:
+        if self._xml:
+            self._end_xml_call(after=False)
+            return
         call, self._call = self._call, None
         if call.name is None:  # not a call: everything it read is content
             self._content(call.opener + call.json.text())
@@ -525,8 +605,8 @@ class ToolCallStream:
         """After a call (its rest is dropped) or a broken block (its rest is content): up to the end marker, or a
         new start marker."""
         keep_text = self._mode == "broken"
-        start, end = self.fmt.start, self.fmt.end
-        at_start, at_end = self._buf.find(start), self._buf.find(end)
+        end = self.fmt.end
+        (at_start, start), at_end = _first(self._buf, self._openers), self._buf.find(end)
         if at_start >= 0 and (at_end < 0 or at_start < at_end):
             if keep_text:
                 self._content(self._buf[:at_start])
@@ -539,11 +619,184 @@ class ToolCallStream:
             self._buf = self._buf[at_end + len(end):]
             self._mode = "text"
             return True
-        keep = 0 if final else _partial_marker(self._buf, (start, end))
+        keep = 0 if final else _partial_marker(self._buf, (*self._openers, end))
         if keep_text:
             self._content(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
+
+    # -- Qwen3-Coder's XML calls --
+
+    def _xml_open(self, final: bool) -> bool:
+        """After `<tool_call>`: whitespace, then `<function=`, or the block is content."""
+        call, rest = self._call, self._buf.lstrip()
+        call.opener += self._buf[: len(self._buf) - len(rest)]
+        self._buf = rest
+        if rest.startswith(XML_FUNCTION):
+            call.opener += XML_FUNCTION
+            self._buf = rest[len(XML_FUNCTION):]
+            self._mode = "xml_name"
+            return True
+        if XML_FUNCTION.startswith(rest) and not final:
+            return False
+        self._xml_not_a_call()
+        return True
+
+    def _xml_name(self, final: bool) -> bool:
+        call, buf = self._call, self._buf
+        at = buf.find(">")
+        name = buf if at < 0 else buf[:at]
+        if at < 0 and not final and not any(c in name for c in "<\n"):
+            return False
+        if at < 0 or not name or any(c in name for c in "<\n") or (self.names is not None and name not in self.names):
+            self._xml_not_a_call()
+            return True
+        self._buf = buf[at + 1:]
+        schema = self.schemas.get(name)
+        call.root = schema if isinstance(schema, dict) else {}
+        properties = call.root.get("properties")
+        call.properties = properties if isinstance(properties, dict) else {}
+        call.name, call.index = name, self.calls
+        self.calls += 1
+        self._ws = ""  # the whitespace before a call separates it: no content after all
+        self._emit({"tool_calls": [{"index": call.index, "id": self.make_id(), "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]})
+        self._emit({"tool_calls": [{"index": call.index, "function": {"arguments": "{"}}]})
+        self._mode = "xml_body"
+        return True
+
+    def _xml_not_a_call(self) -> None:
+        """What was read of a block that turns out to be no call is content; so is the rest of a `<tool_call>`."""
+        call, self._call = self._call, None
+        self._content(call.opener)
+        self._mode = "broken" if call.wrapped else "text"
+
+    def _xml_body(self, final: bool) -> bool:
+        """Between parameters: the next `<parameter=`, `</function>` (the call's end), or the block's end or a new
+        call where the model left `</function>` out; other text is skipped."""
+        rest = self._buf = self._buf.lstrip()
+        if rest.startswith(XML_PARAMETER):
+            self._buf = rest[len(XML_PARAMETER):]
+            self._mode = "xml_param"
+            return True
+        if rest.startswith(XML_FUNCTION_END):
+            self._buf = rest[len(XML_FUNCTION_END):]
+            self._end_xml_call(after=self._call.wrapped)
+            return True
+        if rest.startswith(XML_CALL_END):
+            self._buf = rest[len(XML_CALL_END):]
+            self._end_xml_call(after=False)
+            return True
+        if rest.startswith(self._openers):
+            self._end_xml_call(after=self._call.wrapped)
+            return True
+        markers = (XML_PARAMETER, XML_FUNCTION_END, XML_CALL_END, *self._openers)
+        if not rest or (not final and any(m.startswith(rest) for m in markers)):
+            return False
+        skip = rest.find("<", 1)
+        self._buf = rest[skip:] if skip > 0 else ""
+        return True
+
+    def _xml_param(self, final: bool) -> bool:
+        """A parameter's name, up to `>` (one with `<` or a newline in it is no parameter: skipped)."""
+        at = self._buf.find(">")
+        name = self._buf if at < 0 else self._buf[:at]
+        if any(c in name for c in "<\n") or (at < 0 and final):
+            self._mode = "xml_body"
+            return True
+        if at < 0:
+            return False
+        self._call.param, self._call.scanned = name, 0
+        self._buf = self._buf[at + 1:]
+        self._mode = "xml_value"
+        return True
+
+    def _xml_value(self, final: bool) -> bool:
+        """A value, up to the first of `XML_VALUE_ENDS` (only `</parameter>` is its own; the others are read next)."""
+        call, buf = self._call, self._buf
+        at, marker = _first(buf, XML_VALUE_ENDS, call.scanned)
+        if at >= 0:
+            self._buf = buf[at + len(marker):] if marker == XML_PARAMETER_END else buf[at:]
+            self._xml_parameter(buf[:at])
+            return True
+        if not final:
+            call.scanned = max(0, len(buf) - max(len(m) for m in XML_VALUE_ENDS) + 1)
+            return False
+        self._buf = ""
+        self._xml_parameter(buf[: len(buf) - _partial_marker(buf, XML_VALUE_ENDS)])  # cut off: kept up to a marker
+        return True
+
+    def _xml_parameter(self, raw: str) -> None:
+        """One parameter read: streamed as `"key": value` (after ", " but for the first)."""
+        call, name = self._call, self._call.param
+        call.param = None
+        self._mode = "xml_body"
+        if name in call.seen:  # named twice: the first value stands (it is already out)
+            return
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        value = xml_value(raw, call.properties.get(name, _NO_SCHEMA), call.root)
+        piece = (", " if call.seen else "") + json.dumps(name, ensure_ascii=False) + ": "
+        call.seen.add(name)
+        self._emit({"tool_calls": [{"index": call.index,
+                                    "function": {"arguments": piece + json.dumps(value, ensure_ascii=False)}}]})
+
+    def _end_xml_call(self, after: bool) -> None:
+        """The call's arguments closed (`}`). `after`: the rest of its `<tool_call>` block is dropped; else text."""
+        call, self._call = self._call, None
+        if call.name is None:  # the answer ended before the call's name: content
+            self._content(call.opener + self._buf)
+            self._buf = ""
+            return
+        self._emit({"tool_calls": [{"index": call.index, "function": {"arguments": "}"}}]})
+        self.ended += 1
+        self._mode = "after" if after else "text"
+
+
+_NO_SCHEMA = object()  # a parameter its function's schema does not list
+
+
+def xml_value(raw: str, schema=_NO_SCHEMA, root: dict | None = None):
+    """A Qwen3-Coder parameter's raw text -> its JSON value, by the parameter's schema (as vLLM's qwen3_coder parser
+    converts it): a string-only schema keeps the text; any other (integer, number, boolean, null, object, array,
+    unions, a schema without a type, a parameter the schema does not list) takes the text as JSON when it reads
+    as JSON of a type the schema allows, else keeps the text as a string. `True` / `False` and `None` (Python's
+    spelling, which Qwen's template writes for past calls) count as booleans and null where the schema takes
+    them. `root`: the parameters schema, where a local `$ref` points."""
+    types = None if schema is _NO_SCHEMA else value_types(schema, root or {})
+    if types == {"string"}:
+        return raw
+    try:
+        value = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+    except ValueError:
+        word = raw.strip()
+        if types and "boolean" in types and word in ("True", "False"):
+            return word == "True"
+        if types and "null" in types and word == "None":
+            return None
+        return raw
+    return value if types is None or json_types(value) & types else raw
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _no_constant(text: str):
+    raise ValueError(f"{text} is not JSON")
+
+
+def _first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """Where the first of `markers` begins in `text` (from `start`), and which one: (-1, "") if none does."""
+    best, which = -1, ""
+    for m in markers:
+        at = text.find(m, start)
+        if at >= 0 and (best < 0 or at < best):
+            best, which = at, m
+    return best, which
 
 
 def add_delta(deltas: list[dict], delta: dict) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from strata.errors import StrataError
 from strata.grammar import (
-    Constraint, GrammarMatcher, Grammars, GrammarVocab, allowed_tokens, apply_bitmask, fill_bitmask, new_bitmask,
+    Constraint, GrammarMatcher, Grammars, GrammarVocab, HostBitmask, allowed_tokens, apply_bitmask, fill_bitmask,
+    new_bitmask,
     tool_call_constraint,
 )
 from strata.model.checkpoint import open_checkpoint
@@ -214,6 +215,19 @@ def test_batched_fill_equals_rows(tokenizer, grammars):
     assert (batched[[1, 3]] == -1).all()  # rows left to unconstrained sequences: untouched
 
 
+def test_the_engines_reused_bitmask_is_filled_over_what_the_last_window_left(grammars):
+    host = HostBitmask(grammars.vocab, "cpu")
+    first = host.take(3)
+    first.fill_(0x55555555)  # stale words from a window before
+    matcher = GrammarMatcher(grammars.compile(Constraint.json_object()))
+    again = host.take(2)
+    assert again.data_ptr() == first.data_ptr()  # one buffer, no allocation per window
+    fill_bitmask(again, [(matcher, 1)])
+    fresh = new_bitmask(2, grammars.vocab)
+    fill_bitmask(fresh, [(matcher, 1)])
+    assert torch.equal(again[1], fresh[1])  # a filled row is written whole
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masking_leaves_unconstrained_rows_bit_identical(grammars, dtype):
     vocab = grammars.vocab
@@ -290,3 +304,115 @@ def test_hermes_tool_call_validates(tokenizer, grammars, parallel):
         assert len(blocks) == 1 or parallel
         for block in blocks:
             _check_call(json.loads(block))
+
+
+# -- Qwen3-Coder's XML calls ------------------------------------------------------------------------------
+
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "kind": {"type": "string", "enum": ["hotel", "flat"]},
+        "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+        "flexible": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["quiet", "view"]}, "maxItems": 2},
+        "note": {"type": ["string", "null"], "maxLength": 6},
+        "when": {"$ref": "#/$defs/day"},
+        "either": {"anyOf": [{"type": "string", "maxLength": 3}, {"const": "none"}]},
+        "guest": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}},
+                  "required": ["name"], "additionalProperties": False},
+    },
+    "required": ["title", "code", "kind", "nights", "when"],
+    "additionalProperties": False,
+    "$defs": {"day": {"enum": ["mon", "tue"]}}}}}
+XML_TOOLS = [*TOOLS, BOOK]
+XML_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") for t in XML_TOOLS}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+XML_BLOCK = re.compile(r"<tool_call>\n<function=([a-z_]+)>\n(?:<parameter=[a-z]+>\n.*?\n</parameter>\n)*"
+                       r"</function>\n</tool_call>", re.S)
+
+
+def _xml_calls(text: str, names=None) -> list:
+    """The answer as Qwen3-Coder's template writes calls (blocks a newline apart, nothing else), parsed back
+    (serve/tools.py) into calls whose arguments validate against their function's schema."""
+    from serve.tools import QWEN3_CODER, parse_tool_calls
+
+    blocks = [m.group(0) for m in XML_BLOCK.finditer(text)]
+    assert "\n".join(blocks) == text, text
+    content, calls = parse_tool_calls(text, QWEN3_CODER, XML_SCHEMAS)
+    assert content is None and len(calls) == len(blocks), text
+    for call in calls:
+        assert call.name in (names or XML_SCHEMAS)
+        jsonschema.validate(json.loads(call.arguments), XML_SCHEMAS[call.name] or NO_PARAMETERS)
+    return calls
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_qwen3_coder_tool_call_walks_parse_back_and_validate(tokenizer, grammars, parallel):
+    constraint = tool_call_constraint(XML_TOOLS, wrap="qwen3_coder", parallel=parallel)
+    grammars.compile(constraint)  # llguidance compiles it
+    seen = set()
+    for seed in range(8):
+        ids, _ = walk(grammars, constraint, seed, cap=1500)
+        calls = _xml_calls(tokenizer.decode(ids))
+        assert len(calls) == 1 or parallel
+        seen |= {c.name for c in calls}
+    assert len(seen) > 1  # the walks reach several functions
+
+
+def test_qwen3_coder_named_call_walks_validate(tokenizer, grammars):
+    constraint = tool_call_constraint(XML_TOOLS, "book", wrap="qwen3_coder")
+    for seed in range(6):
+        ids, _ = walk(grammars, constraint, seed)
+        (call,) = _xml_calls(tokenizer.decode(ids), names=["book"])
+        arguments = json.loads(call.arguments)
+        assert {"title", "code", "kind", "nights", "when"} <= set(arguments)  # required ones always
+
+
+def _accepts(tokenizer, grammars, constraint, text: str) -> bool:
+    matcher = GrammarMatcher(grammars.compile(constraint))
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.can_end()
+
+
+def test_qwen3_coder_call_as_the_template_writes_it(tokenizer, grammars):
+    constraint = tool_call_constraint(XML_TOOLS, wrap="qwen3_coder")
+
+    def call(*params, name="book"):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+        return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+    good = [("title", "Sea\nview"), ("code", "ABC"), ("kind", "flat"), ("nights", "3"), ("tags", '["view"]'),
+            ("note", "null"), ("when", "mon"), ("guest", '{"name": "Ada"}')]
+    assert _accepts(tokenizer, grammars, constraint, call(*good))
+    assert [(c.name, json.loads(c.arguments)) for c in _xml_calls(call(*good))] == [("book", {
+        "title": "Sea\nview", "code": "ABC", "kind": "flat", "nights": 3, "tags": ["view"], "note": None,
+        "when": "mon", "guest": {"name": "Ada"}})]
+    assert _accepts(tokenizer, grammars, constraint, call(name="now"))
+    assert _accepts(tokenizer, grammars, constraint, call(("city", "Oslo"), ("unit", "c"), name="get_weather"))
+    bad = {
+        "a required parameter missing": [p for p in good if p[0] != "code"],
+        "out of order": [good[1], good[0], *good[2:]],
+        "not in the schema": [*good, ("extra", "1")],
+        "an integer out of range": [*good[:3], ("nights", "12"), *good[4:]],
+        "a string that breaks the pattern": [good[0], ("code", "abc"), *good[2:]],
+        "a string too long": [("title", "a very long title"), *good[1:]],
+        "a string holding a closing marker": [("title", "a</function>"), *good[1:]],
+        "not an enum value": [*good[:2], ("kind", "tent"), *good[3:]],
+        "JSON quotes on a string": [*good[:2], ("kind", '"flat"'), *good[3:]],
+    }
+    for case, params in bad.items():
+        assert not _accepts(tokenizer, grammars, constraint, call(*params)), case
+    one = tool_call_constraint(XML_TOOLS, wrap="qwen3_coder")
+    assert not _accepts(tokenizer, grammars, one, call(name="now") + "\n" + call(name="now"))  # one call
+    several = tool_call_constraint(XML_TOOLS, wrap="qwen3_coder", parallel=True)
+    assert _accepts(tokenizer, grammars, several, call(name="now") + "\n" + call(*good))
+
+
+def test_qwen3_coder_names_that_markup_cannot_hold_are_refused():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a>b": {"type": "string"}}}}}]
+    with pytest.raises(StrataError, match="'a>b' cannot be written"):
+        tool_call_constraint(tools, wrap="qwen3_coder")
+    with pytest.raises(StrataError, match="unknown tool-call wrapper 'xml'"):
+        tool_call_constraint(tools, wrap="xml")

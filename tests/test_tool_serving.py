@@ -2,7 +2,9 @@
 fixture), with the official `openai` SDK: forced calls (a named function, "required") whose arguments validate
 against the function's schema, streamed and not; a tool result going back through the prompt; json_schema answers
 that validate, in windows beside unconstrained greedy answers that stay what they are alone; guided choice and
-regex; bad constraints refused by name; an answer closed by its first call leaving the next answer intact.
+regex; bad constraints refused by name; an answer closed by its first call leaving the next answer intact. Then
+the same forced calls in Qwen3-Coder's XML format, on a tiny random model whose chat template asks for it (the
+`coder` fixture, one server for those tests).
 
 SmolLM2-135M does not call tools by itself: every call here comes from constrained decoding (docs/SERVING.md)."""
 
@@ -269,6 +271,39 @@ def test_a_forced_call_is_written_as_the_parser_reads_it(grammars, fmt_name, cho
         assert [c.name for c in parse_tool_calls(two, fmt, SCHEMAS)[1]] == ["get_weather", "get_time"]
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_xml_call_is_written_as_the_parser_reads_it(grammars, choice):
+    """A template asking for `<function=...>` calls: the plan reads Qwen3-Coder's XML with the tools' schemas, and
+    its forced grammar takes a call as that template writes one, which parses back into the same call."""
+    from serve.requests import forced_call_constraint, tool_plan
+    from serve.schemas import ChatCompletionRequest
+    from serve.tools import QWEN3_CODER, parse_tool_calls
+    from strata.model.tokenizer import Tokenizer
+    from tests.test_tools import QWEN3_CODER_LIKE
+
+    tokenizer = Tokenizer(grammars[0].backend, chat_template=QWEN3_CODER_LIKE)
+    body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **FORCED[choice]})
+    plan = tool_plan(body, tokenizer, "llama")
+    assert plan.fmt is QWEN3_CODER and plan.names == SCHEMAS and plan.forced
+    constraint = forced_call_constraint(body, plan)
+    weather = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n4\n"
+               "</parameter>\n</function>\n</tool_call>")
+    clock = "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(grammars, constraint, weather) and not accepts(grammars, constraint, weather + "\n" + clock)
+    assert not accepts(grammars, constraint, weather.replace("4", '"4"'))  # an integer, as its schema says
+    assert not accepts(grammars, constraint, weather.replace("Oslo", "Bergen"))  # one of the enum's cities
+    assert accepts(grammars, constraint, clock) == (choice == "required")
+    content, calls = parse_tool_calls(weather, QWEN3_CODER, plan.names)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 4})]
+    if choice == "required":  # parallel calls: blocks a newline apart
+        body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+        parallel = forced_call_constraint(body, tool_plan(body, tokenizer, "llama"))
+        assert accepts(grammars, parallel, weather + "\n" + clock)
+        assert [c.name for c in parse_tool_calls(weather + "\n" + clock, QWEN3_CODER, SCHEMAS)[1]] == [
+            "get_weather", "get_time"]
+
+
 @pytest.mark.parametrize("fields, kind, param", [
     ({"response_format": {"type": "text"}}, None, None),
     ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
@@ -322,3 +357,79 @@ def test_bad_constraints_and_tools_are_refused_by_name(server, extra, param, wor
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+
+
+# -- Qwen3-Coder's XML calls: a model whose template asks for them ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    """`strata serve` on a tiny random Llama with the default's tokenizer and a Qwen3-Coder-style chat template
+    (tests/test_tools.py's, which asks for `<function=...>` calls): (server, client, model name)."""
+    from strata.model.loader import ModelFiles
+    from tests.server_process import Server
+    from tests.test_tools import QWEN3_CODER_LIKE
+    from tests.tiny_models import build
+
+    folder = tmp_path_factory.mktemp("qwen3-coder-like")
+    tokenizer = ModelFiles.open("default").tokenizer
+    build("llama-gqa-tied", folder, vocab_size=tokenizer.vocab_size)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "chat_template.jinja").write_text(QWEN3_CODER_LIKE)
+    srv = Server("--model", str(folder), "--batch", "2", "--max-cells", "1024", "--cpu-threads", "1")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        yield srv, client, client.models.list().data[0].id
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def coder_forced(coder):
+    _, client, model = coder
+    return {k: chat(client, model=model, messages=ASK, tools=TOOLS, max_tokens=256, **kw) for k, kw in FORCED.items()}
+
+
+@pytest.mark.parametrize("choice", FORCED)
+def test_xml_forced_call_validates_whole_and_streamed(coder, coder_forced, choice):
+    """The grammar writes the call as the template's model would (`<tool_call>\\n<function=...>`, one element per
+    parameter); the XML parser reads it into `tool_calls` whose arguments validate; streamed, the same call."""
+    _, client, model = coder
+    r = coder_forced[choice].choices[0]
+    assert r.finish_reason == "tool_calls"
+    assert r.message.content is None and len(r.message.tool_calls) == 1
+    call = r.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert_valid_call(call.function.name, call.function.arguments, "get_weather" if choice == "named" else None)
+
+    deltas, finish, _ = streamed_chat(client, model=model, messages=ASK, tools=TOOLS, max_tokens=256,
+                                      **FORCED[choice])
+    assert finish == "tool_calls"
+    content, calls = joined_calls(deltas)
+    assert content == "" and len(calls) == 1 and len(calls[0]["ids"]) == 1
+    assert (calls[0]["name"], calls[0]["arguments"]) == (call.function.name, call.function.arguments)
+    pieces = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert pieces[0]["function"] == {"name": call.function.name, "arguments": ""} and pieces[0]["type"] == "function"
+    assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in pieces[1:])
+
+
+def test_xml_past_calls_and_results_through_the_template(coder):
+    """A past call is written by the model's own template from its arguments as an object (`arguments|items`),
+    its result as the template writes tool messages; arguments that are no JSON object are refused by name."""
+    server, _, model = coder
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": '{"forecast": "sunny, 24 C"}'}]
+    tokenized = httpx.post(server.url + "/tokenize", json={"model": model, "messages": messages, "tools": TOOLS})
+    prompt = httpx.post(server.url + "/detokenize", json={"tokens": tokenized.json()["tokens"]}).json()["prompt"]
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>") in prompt
+    assert "<tool_response>\n{\"forecast\": \"sunny, 24 C\"}\n</tool_response>" in prompt
+    assert "<name>get_time</name>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    broken = [*messages[:1], {**messages[1], "tool_calls": [{**call, "function": {**call["function"],
+                                                                                   "arguments": "[1, 2]"}}]}]
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": model, "messages": broken, "tools": TOOLS, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"

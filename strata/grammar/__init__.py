@@ -29,11 +29,13 @@ tokenizer.json read as it is. Nothing here knows the engine; the engine calls it
   only (others bit for bit untouched), on the CPU or on the logits' GPU without waiting for it (one Triton kernel,
   `strata.kernels.bitmask`). `HostBitmask(vocab, device)`: the engine's, one buffer reused every window (pinned
   for a GPU, refilled once the device has read it).
-- `tool_call_schema(tools, name)`, `tool_call_constraint(tools, name, wrap="hermes")` (tools.py): the constraint
-  behind `tool_choice: "required"` or a named function: one call `{"name": <const>, "arguments": <its parameters
-  schema>}` (an anyOf over the tools, so the arguments follow the function named); for Hermes / Qwen the same
-  schema inline in a Lark grammar, on its own line between a `<tool_call>` line and a `</tool_call>` line (one
-  call, or with `parallel` several blocks a newline apart).
+- `tool_call_schema(tools, name)`, `tool_call_constraint(tools, name, wrap=None | "hermes" | "qwen3_coder")`
+  (tools.py): the constraint behind `tool_choice: "required"` or a named function: one call `{"name": <const>,
+  "arguments": <its parameters schema>}` (an anyOf over the tools, so the arguments follow the function named);
+  for Hermes / Qwen the same schema inline in a Lark grammar, on its own line between a `<tool_call>` line and a
+  `</tool_call>` line; for Qwen3-Coder / Qwen3.5 the XML block (`xml_call_grammar`: `<function=NAME>`, one
+  `<parameter=KEY>` element per parameter, a string's value raw text without the closing markers, any other
+  value inline JSON of its schema); one call, or with `parallel` several blocks a newline apart.
 
 Stop tokens: the vocabulary's `stop_ids` (EOS among them) are the grammar's end-of-sequence tokens: the mask
 allows them exactly where the text so far is a whole answer (`can_end()`), and nowhere else, so a constrained
