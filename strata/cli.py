@@ -94,7 +94,7 @@ def run_engine(s: EngineSettings) -> None:
         workers=s.compile_workers)
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
-                    park_gb=s.park_gb, **s.stage_options())
+                    park_gb=s.park_gb, park_dir=s.park_dir, park_disk_gb=s.park_disk_gb, **s.stage_options())
     loaded = time.perf_counter()
     logging.getLogger("strata.engine").info("model loaded in %.1f s", loaded - start)
     if workers is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -98,6 +98,14 @@ class EngineSettings(StrataSettings):
     park_gb: float | None = Field(
         None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
     )
+    park_dir: str | None = Field(
+        None, description="a folder where parked conversations are also written (created if missing, its parent must "
+        "exist), so that they outlive the process: a restarted engine continues them (default: none, host RAM only)"
+    )
+    park_disk_gb: float | None = Field(
+        None, description="GB of files in --park-dir, the least recently used deleted first (default 20, at most half "
+        "the file system; 0: off)"
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="models with Gated DeltaNet layers: also keep their state every this many prompt tokens "
         "(host RAM: one GDN state each), besides the one kept before each prompt's last token, so a prompt that "
@@ -138,6 +146,26 @@ class EngineSettings(StrataSettings):
         problem = None if value is None else park_gb_problem(value)
         if problem:
             raise PydanticCustomError("park_gb", problem)
+        return value
+
+    @field_validator("park_dir")
+    @classmethod
+    def _park_dir_usable(cls, value: str | None) -> str | None:
+        from strata.state.park_disk import park_dir_problem
+
+        problem = None if value is None else park_dir_problem(value)
+        if problem:
+            raise PydanticCustomError("park_dir", problem)
+        return value
+
+    @field_validator("park_disk_gb")
+    @classmethod
+    def _park_disk_gb_fits(cls, value: float | None, info: ValidationInfo) -> float | None:
+        from strata.state.park_disk import park_disk_gb_problem
+
+        problem = None if value is None else park_disk_gb_problem(value, info.data.get("park_dir"))
+        if problem:
+            raise PydanticCustomError("park_disk_gb", problem)
         return value
 
     def torch_device(self) -> torch.device:

@@ -26,6 +26,8 @@ from strata.state.parking import (
     reuse_prefix,
     snapshot_bytes,
 )
+from strata.state import park_disk
+from strata.state.park_disk import DiskSnapshot, DiskTier, decode_tokens, encode_tokens, park_dir_problem
 from strata.state.session import SessionState
 from tests.protocol_lines import add, end_of, tokens
 from tests.tiny_models import CASES, VOCAB, build
@@ -439,3 +441,286 @@ def test_over_budget_the_least_recently_parked_is_evicted(model):
     got, reused, _ = driver.run(follow[10])
     assert reused == 0  # evicted: read again
     assert got == engine.generate(follow[10], NEW, stop_ids=frozenset()).ids
+
+
+# on disk (--park-dir): written through, found again by a new engine, refused when damaged or foreign
+
+import errno  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+
+def park_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*" + park_disk.SUFFIX))
+
+
+def disk_lot(spec, folder: Path, disk: int = 10**9, ram: int = 10**9, fingerprint: str = "model-a") -> ParkingLot:
+    return ParkingLot(ram, truncatable=not spec.gdn_layers(), fingerprint=fingerprint,
+                      disk=DiskTier(folder, disk, fingerprint))
+
+
+def rewrite(path: Path, **changes: str) -> None:
+    """The file again, its tensors unchanged, its header's metadata changed."""
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name).clone() for name in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, **changes})
+
+
+def with_checkpoint(spec, state: SessionState) -> SessionState:
+    """A GDN checkpoint (host copies, as `SessionState.checkpoint` keeps them) at position 8 of a filled state."""
+    if state.conv:
+        state.checkpoints = {8: {i: (state.conv[i].clone() + 1, state.recurrent[i].clone() - 1) for i in state.conv}}
+    return state
+
+
+def test_a_snapshot_is_written_through_and_a_new_lot_finds_it_on_disk(spec, tmp_path):
+    tokens_ = list(range(10, 30))
+    parked = with_checkpoint(spec, filled(spec, tokens_, seed=1))
+    lot = disk_lot(spec, tmp_path)
+    assert lot.park(parked) and lot.disk.flush(30)
+    (path,) = park_files(tmp_path)
+    snap = next(iter(lot._snapshots.values()))
+    assert path.name == f"{snap.tokens_hash}.park.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta, names = f.metadata(), set(f.keys())
+    assert meta["format"] == "strata-parked-conversation" and meta["format_version"] == "1"
+    assert meta["fingerprint"] == "model-a" and list(decode_tokens(meta["tokens"])) == tokens_
+    assert meta["token_hash"] == snap.tokens_hash and int(meta["checksum"]) == int(snap.sum)
+    assert int(meta["nbytes"]) == snapshot_bytes(parked) and names == set(snap.named_tensors())
+    first = spec.attention_layers()[0]
+    assert {f"k.{first}", f"v.{first}"} <= names
+    assert not spec.gdn_layers() or f"checkpoints.8.{spec.gdn_layers()[0]}[1]" in names
+    # in host RAM and on disk: taken from host RAM
+    count, found = lot.best(tokens_ + [99])
+    assert count == len(tokens_) and found is snap and not isinstance(found, DiskSnapshot)
+    # a new lot on the same folder (a restarted engine): from the file, restored bit for bit, checkpoints too
+    again = disk_lot(spec, tmp_path)
+    assert again.conversations == 0 and again.disk.conversations == 1
+    count, found = again.best(tokens_ + [99])
+    assert count == len(tokens_) and isinstance(found, DiskSnapshot) and found.length == len(tokens_)
+    again.take(found)
+    target = filled(spec, [7, 7, 7], seed=2)
+    found.restore(target, count, "model-a")
+    assert_same_state(target, parked)
+    assert sorted(found.checkpoints) == sorted(parked.checkpoints)
+    for position, layers in parked.checkpoints.items():
+        for i, pair in layers.items():
+            assert all(torch.equal(a, b) for a, b in zip(pair, found.checkpoints[position][i]))
+    assert park_files(tmp_path) == [path]  # taken, not deleted: it serves the next restart too
+    assert again.best(tokens_ + [99])[0] == len(tokens_)
+
+
+def test_the_disk_budget_keeps_the_most_recently_used_files(spec, tmp_path):
+    prompts = {name: [base + j for j in range(12)] for name, base in (("a", 0), ("b", 20), ("c", 40))}
+    states = {name: filled(spec, ids, seed=i) for i, (name, ids) in enumerate(prompts.items())}
+    (tmp_path / "probe").mkdir()
+    probe = disk_lot(spec, tmp_path / "probe")
+    probe.park(states["a"])
+    probe.disk.flush(30)
+    size = park_files(tmp_path / "probe")[0].stat().st_size  # the three states' files are the same size
+    folder = tmp_path / "park"
+    folder.mkdir()
+    lot = disk_lot(spec, folder, disk=int(2.5 * size))  # room for two files
+    assert lot.park(states["a"]) and lot.park(states["b"]) and lot.disk.flush(30)
+    assert len(park_files(folder)) == 2
+    _, a = lot.best(prompts["a"] + [150])
+    lot.take(a)  # "a" is used again: its file is now more recent than "b"'s
+    assert lot.park(states["c"]) and lot.disk.flush(30)  # so "b"'s file goes
+    kept = {p.name.split(".")[0] for p in park_files(folder)}
+    assert len(kept) == 2 and a.tokens_hash in kept and lot.disk.evictions == 1
+    assert lot.disk.nbytes <= lot.disk.budget and sum(p.stat().st_size for p in park_files(folder)) <= lot.disk.budget
+    fresh = disk_lot(spec, folder, disk=int(2.5 * size))  # the next engine sees the same two
+    assert fresh.best(prompts["b"] + [150]) == (0, None) and fresh.best(prompts["c"] + [150])[0] == 12
+
+
+def test_a_later_turn_replaces_the_earlier_turns_file_without_gdn(spec, tmp_path):
+    lot = disk_lot(spec, tmp_path)
+    lot.park(filled(spec, list(range(8)), seed=7))
+    lot.disk.flush(30)
+    lot.park(filled(spec, list(range(12)), seed=8))  # the same conversation, two turns on
+    lot.disk.flush(30)
+    assert len(park_files(tmp_path)) == (2 if spec.gdn_layers() else 1)
+
+
+def test_a_failed_write_is_a_warning_and_the_snapshot_stays_in_ram(spec, tmp_path, monkeypatch, caplog):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(park_disk, "save_file", full)
+    lot = disk_lot(spec, tmp_path)
+    state = filled(spec, list(range(12)), seed=3)
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        assert lot.park(state) and lot.disk.flush(30)
+    assert "could not write a parked conversation" in caplog.text and "the disk is full" in caplog.text
+    assert park_files(tmp_path) == [] and not list(tmp_path.iterdir())  # no temporary file left either
+    assert lot.conversations == 1 and lot.best(list(range(12)) + [1])[0] == 12 and lot.disk.write_failures == 1
+
+
+def test_a_bad_park_dir_or_budget_is_refused_with_a_clear_message(tmp_path, monkeypatch, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert "is a file, not a folder" in park_dir_problem(a_file)
+    assert "its parent folder" in park_dir_problem(tmp_path / "missing" / "park") and "does not exist" in \
+        park_dir_problem(tmp_path / "missing" / "park")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: this folder stands for one it may not write
+        access = os.access
+        monkeypatch.setattr(park_disk.os, "access", lambda p, mode: Path(p) != read_only and access(p, mode))
+    assert "is not writable by this process" in park_dir_problem(read_only)
+    assert park_dir_problem(tmp_path / "new") is None and not (tmp_path / "new").exists()
+    assert park_dir_problem(tmp_path / "new", create=True) is None and (tmp_path / "new").is_dir()
+    with pytest.raises(StrataError, match=r"--park-dir .*read-only: is not writable"):
+        park_disk.open_park_dir(read_only, None, "m")
+    with pytest.raises(StrataError, match=r"--park-disk-gb -1: give the GB of disk .* 0 or more"):
+        park_disk.park_disk_budget(-1, tmp_path)
+    with pytest.raises(StrataError, match=r"--park-disk-gb 1e\+09: the file system of .* holds [\d.]+ GB in all"):
+        park_disk.park_disk_budget(1e9, tmp_path)
+    assert 0 < park_disk.park_disk_budget(None, tmp_path) <= 20 * GB
+    assert park_disk.open_park_dir(tmp_path / "off", 0, "m") is None  # a budget of 0: no disk tier
+    with pytest.raises(ValidationError, match="is a file, not a folder"):
+        EngineSettings(park_dir=str(a_file))
+    with pytest.raises(ValidationError, match="0 or more"):
+        EngineSettings(park_dir=str(tmp_path), park_disk_gb=-2)
+    from strata.cli import main
+
+    assert main(["engine", "--park-dir", str(tmp_path / "missing" / "park")]) == 2
+    err = capsys.readouterr().err
+    assert "strata: error: --park-dir: its parent folder" in err and "create it" in err
+    assert main(["engine", "--park-dir", str(a_file)]) == 2
+    assert "--park-dir: is a file, not a folder" in capsys.readouterr().err
+    assert main(["engine", "--park-dir", str(tmp_path), "--park-disk-gb", "-1"]) == 2
+    assert "--park-disk-gb: give the GB of disk" in capsys.readouterr().err
+
+
+# engines on a park folder
+
+@pytest.fixture(scope="module")
+def parked(model, tmp_path_factory):
+    """An engine parked conversation 0 (its first turn) into a folder; its second turn's answer had it stayed."""
+    folder = tmp_path_factory.mktemp("park")
+    engine = engine_with(model, park_gb=0.05, park_dir=str(folder))
+    driver = Driver(engine, 2)
+    turn1 = conversation(0)
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(1))
+    driver.run(conversation(2))  # takes conversation 0's slot: parked, and written
+    assert engine.parking.disk.flush(30)
+    (path,) = park_files(folder)
+    turn2 = turn1 + answer + [3, 1, 4, 1, 5]
+    stayed = Driver(engine_with(model, park_gb=0), 2)
+    stayed.run(turn1)
+    stayed_answer, held, _ = stayed.run(turn2)
+    assert held == len(turn1) + len(answer) - 1
+    return SimpleNamespace(folder=folder, name=path.name, turn1=turn1, turn2=turn2, answer=stayed_answer, held=held)
+
+
+def restarted(model, parked, tmp_path, **kw) -> tuple[Engine, Path]:
+    """A new engine on a copy of the parked folder."""
+    folder = tmp_path / "park"
+    if not folder.exists():
+        shutil.copytree(parked.folder, folder)
+    return engine_with(model, park_gb=0.05, park_dir=str(folder), **kw), folder
+
+
+def test_after_a_restart_a_follow_up_reads_only_its_new_tokens_and_answers_as_if_it_had_stayed(model, parked,
+                                                                                                  tmp_path, caplog):
+    with caplog.at_level("INFO", logger="strata.engine"):
+        engine, folder = restarted(model, parked, tmp_path)
+    assert "1 parked conversations found" in caplog.text and engine.parking.conversations == 0
+    driver = Driver(engine, 2)
+    answer, reused, lines = driver.run(parked.turn2)
+    assert reused == parked.held and answer == parked.answer and engine.parking.refused == 0
+    assert (folder / parked.name).exists()  # it stays on disk (the conversation is in a slot now)
+    # the engine ends with the conversation in a slot; another takes it: parked again, its second turn written
+    driver.run(conversation(4))
+    driver.run(conversation(5))
+    engine.parking.disk.flush(30)
+    names = {p.name for p in park_files(folder)}
+    gdn = bool(engine.spec.gdn_layers())
+    assert (parked.name in names) == gdn  # without GDN layers the second turn's file covers the first's
+    assert len(names) == (2 if gdn else 1)
+
+
+@pytest.mark.parametrize("damage", ["byte", "truncated", "cut-after-start", "model", "version", "tokens", "garbage"])
+def test_a_damaged_or_foreign_file_is_refused_and_the_prompt_read_again(model, parked, tmp_path, caplog, damage):
+    folder = tmp_path / "park"
+    shutil.copytree(parked.folder, folder)
+    path = folder / parked.name
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    if damage == "byte":  # in the tensors' bytes: the header reads fine, the file is refused when taken
+        with open(path, "r+b") as f:
+            f.seek(-7, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-7, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif damage == "truncated":
+        os.truncate(path, path.stat().st_size - 100)
+    elif damage == "model":
+        rewrite(path, fingerprint="0123456789abcdef")
+    elif damage == "version":
+        rewrite(path, format_version="2")
+    elif damage == "tokens":
+        ids = list(decode_tokens(meta["tokens"]))
+        ids[3] = (ids[3] + 1) % VOCAB
+        rewrite(path, tokens=encode_tokens(ids))
+    elif damage == "garbage":  # not even safetensors, beside the good file
+        (folder / ("0" * 32 + park_disk.SUFFIX)).write_bytes(b"not a safetensors file at all")
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        engine, _ = restarted(model, parked, tmp_path)
+        if damage == "cut-after-start":  # cut short between the startup and the take
+            os.truncate(path, path.stat().st_size - 100)
+        answer, reused, _ = Driver(engine, 2).run(parked.turn2)
+    assert answer == parked.answer
+    if damage == "garbage":
+        assert reused == parked.held and "0" * 32 in caplog.text and "not a complete safetensors file" in caplog.text
+        assert not (folder / ("0" * 32 + park_disk.SUFFIX)).exists()
+        return
+    assert reused == 0
+    expected = {"byte": "its bytes changed since it was written", "truncated": "not a complete safetensors file",
+                "cut-after-start": "cut short", "model": "parked by another model",
+                "version": "written in version '2' of the format", "tokens": "token list does not match"}[damage]
+    assert expected in caplog.text and parked.name in caplog.text
+    at_take = damage in ("byte", "cut-after-start")
+    assert engine.parking.refused == (1 if at_take else 0)
+    if at_take:
+        assert f"its prompt ({len(parked.turn2)} tokens) is read again" in caplog.text
+    assert not path.exists()
+    aside = path.with_name(path.name + ".refused")
+    assert aside.exists() == (damage in ("model", "version"))  # intact but not this engine's: kept aside
+    if aside.exists():
+        assert "moved aside" in caplog.text
+
+
+def test_the_disk_budget_holds_and_full_disks_never_fail_a_request(model, parked, tmp_path, monkeypatch, caplog):
+    size = (parked.folder / parked.name).stat().st_size  # a finished 14-token conversation's file
+    folder = tmp_path / "park"
+    folder.mkdir()
+    engine = engine_with(model, park_gb=0.05, park_dir=str(folder), park_disk_gb=1.5 * size / GB)
+    driver = Driver(engine, 1)
+    answers = {}
+    for k in (10, 11, 12):  # each pushes the previous one out of the slot: 10 and 11 parked, 10's file evicted
+        answers[k], _, _ = driver.run(conversation(k))
+        engine.parking.disk.flush(30)
+    (only,) = park_files(folder)
+    assert engine.parking.disk.evictions == 1 and only.stat().st_size <= 1.5 * size
+    assert list(decode_tokens(safe_open(str(only), framework="pt").metadata()["tokens"]))[:14] == conversation(11)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(park_disk, "save_file", full)
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        for k in (13, 14):
+            got, _, _ = driver.run(conversation(k))
+            assert got == engine.generate(conversation(k), NEW, stop_ids=frozenset()).ids
+        engine.parking.disk.flush(30)
+    assert "the disk is full" in caplog.text and engine.parking.disk.write_failures >= 1
+    assert park_files(folder) == [only]

@@ -22,6 +22,7 @@ from strata.runtime.forward import Forward
 from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.window import Window
+from strata.state.park_disk import open_park_dir
 from strata.state.parking import ParkingLot, model_fingerprint, park_budget, reuse_prefix
 from strata.state.session import SessionState, StatePool
 
@@ -46,9 +47,11 @@ class Engine:
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
                  park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
-                 checkpoint_every: int | None = None):
+                 checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
+        `park_dir`, `park_disk_gb`: a folder where they are also written, and its budget (`strata.state.park_disk`;
+        None: no disk tier), found again by a later engine.
         `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
         state before each prompt's last token is always kept); None turns checkpoints off."""
         self.files = files
@@ -78,6 +81,8 @@ class Engine:
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers(),
                                   fingerprint=model_fingerprint(self.spec, dtype,
                                                                 files.checkpoint.path if files is not None else None))
+        self.parking.disk = open_park_dir(park_dir, park_disk_gb, self.parking.fingerprint,
+                                          pinned=self.device.type == "cuda")
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels

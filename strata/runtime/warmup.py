@@ -15,7 +15,8 @@ on first use. Either costs from milliseconds to seconds, and must not fall on a 
    decoding rows (several logit rows in a prompt part, tokens fed on the device with lookahead).
 
 The slots are reset and the parking lot emptied afterwards, so the first request finds the engine as new; the
-parking lot's host memory is pinned here too (`strata.state.parking.HostRing`). On
+parking lot's host memory is pinned here too (`strata.state.parking.HostRing`), and the parked files of
+`--park-dir` are neither read nor written during it (its prompts could match one). On
 the torch references (the CPU) there is nothing to compile and the warm-up is skipped.
 """
 
@@ -90,6 +91,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
     if engine.kernels != "triton" or slots.in_flight or slots.active:
         return 0.0
     start = time.perf_counter()
+    disk, engine.parking.disk = engine.parking.disk, None  # parked files (--park-dir): not read or written here
     largest = max(len(g) for g in slots.groups)
     drafts = engine.speculative.num_speculative_tokens if engine.speculative else 0
     rows = list(range(1, min(largest * (1 + drafts), slots.budget) + 1))  # drafting slots add rows of their own
@@ -160,6 +162,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
         show(done, what)
     for state in states:
         state.reset()
+    engine.parking.disk = disk
     if share is not None:
         return time.perf_counter() - start
     engine.parking.clear()

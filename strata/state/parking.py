@@ -21,6 +21,9 @@ and a checksum of its bytes (a 64-bit sum of their 32-bit words, taken on the st
 on the device after the copy back, so the check costs no pass over host memory). A snapshot that fails is refused
 with a log line naming what was wrong and dropped; the sequence it was meant for is reset (what it held was parked
 before) and the prompt is read in full: no other state is touched and the answer is the same.
+
+With `--park-dir`, `disk` (`strata.state.park_disk.DiskTier`) is a second tier: every snapshot parked here is also
+written to a file there in the background, and `best` looks there after host RAM (files outlive the process).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import re
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -155,6 +159,46 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _flatten(name: str, value, out: dict) -> None:
+    """Name every tensor inside `value` (dicts, tuples and lists, nested) by the keys and positions down to it."""
+    if isinstance(value, torch.Tensor):
+        out[name] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{name}.{key}", item, out)
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            _flatten(f"{name}[{i}]", item, out)
+
+
+_STEP = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]")
+
+
+def _unflatten(named: dict[str, object]) -> dict[str, object]:
+    """Back from `_flatten`'s names to values by field: `.key` a dict's key (an int when it is digits), `[i]` a
+    tuple's position."""
+    fields_: dict[str, object] = {}
+    for name, tensor in named.items():
+        head = re.match(r"[^.\[]+", name)
+        steps = _STEP.findall(name[head.end():]) if head else []
+        if not head or "".join(f".{k}" if k else f"[{i}]" for k, i in steps) != name[head.end():]:
+            raise ValueError(f"{name!r} is not the name of a snapshot's tensor")
+        node, key = fields_, head.group()
+        for k, i in steps:
+            node = node.setdefault(key, {})
+            key = ("[]", int(i)) if i else (int(k) if k.isdigit() else k)
+        node[key] = tensor
+
+    def build(value):
+        if not isinstance(value, dict):
+            return value
+        if value and all(isinstance(k, tuple) for k in value):
+            return tuple(build(value[k]) for k in sorted(value, key=lambda k: k[1]))
+        return {k: build(v) for k, v in value.items()}
+
+    return {name: build(value) for name, value in fields_.items()}
+
+
 class HostRing:
     """The parking lot's host memory: one block of `capacity` bytes, pinned when the states live on a GPU, made
     once (`reserve`: the engine does it while warming up). Snapshots take consecutive regions in the order they
@@ -254,6 +298,34 @@ class Snapshot:
             event.synchronize()
         self.copied = []
 
+    # what a file holds (`strata.state.park_disk`): the fields below travel in its header, every other field's
+    # tensors by name
+    METADATA = ("tokens", "nbytes", "region", "copied", "fingerprint", "tokens_hash", "sum")
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this snapshot by a stable name: each field but `METADATA`, and in it the dict keys and
+        tuple positions down to the tensor (`k.3`, `recurrent.0`, `checkpoints.8.0[1]`); a field added later
+        travels as it is. `from_named` builds the snapshot back."""
+        named: dict[str, torch.Tensor] = {}
+        for f in fields(self):
+            if f.name not in self.METADATA:
+                _flatten(f.name, getattr(self, f.name), named)
+        return named
+
+    @classmethod
+    def from_named(cls, tensors: dict[str, torch.Tensor], **metadata) -> "Snapshot":
+        """A snapshot from `named_tensors`' names and tensors, and its `METADATA` fields (`tokens`, `nbytes`, ...)
+        as keywords; a field without a tensor takes its default, or {} (a model without such layers)."""
+        values = _unflatten(tensors)
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"tensors of no field of a snapshot: {sorted(unknown)}")
+        for f in fields(cls):
+            if f.name not in values and f.name not in metadata and f.default is MISSING \
+                    and f.default_factory is MISSING:
+                values[f.name] = {}
+        return cls(**values, **metadata)
+
     def problem(self, state: SessionState, fingerprint: str = "") -> str | None:
         """Why this snapshot cannot go into `state` (another model, other layers, shapes or dtypes, tokens that
         changed), None when it can; nothing is written."""
@@ -311,8 +383,9 @@ class ParkingLot:
 
     `truncatable`: the model has attention layers only, so a state can be cut to any prefix (see `reusable`)."""
 
-    def __init__(self, budget: int, truncatable: bool, fingerprint: str = ""):
-        """`fingerprint`: the model's (`model_fingerprint`): a snapshot parked under another is refused."""
+    def __init__(self, budget: int, truncatable: bool, fingerprint: str = "", disk=None):
+        """`fingerprint`: the model's (`model_fingerprint`): a snapshot parked under another is refused. `disk`: the
+        files of `--park-dir` (`strata.state.park_disk.DiskTier`), written through and searched after host RAM."""
         if budget < 0:
             raise StrataError(f"a parking budget of {budget} bytes: give 0 or more (0 turns parking off)")
         self.budget, self.truncatable, self.fingerprint = budget, truncatable, fingerprint
@@ -322,6 +395,7 @@ class ParkingLot:
         self.evictions = 0  # snapshots dropped to make room
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()  # least recently parked first
         self._keys = itertools.count()
+        self.disk = disk
 
     @property
     def conversations(self) -> int:
@@ -346,31 +420,41 @@ class ParkingLot:
                 self._drop(key)
                 self.evictions += 1
         self._snapshots[next(self._keys)] = Snapshot.of(state, self.ring, offset, self.fingerprint)
-        self.nbytes += self._snapshots[next(reversed(self._snapshots))].nbytes
+        snap = self._snapshots[next(reversed(self._snapshots))]
+        self.nbytes += snap.nbytes
+        if self.disk is not None:
+            self.disk.write(snap, self._covers)  # in the background, once its copies are done
         return True
 
     def best(self, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
         """The parked snapshot that serves the most leading tokens of `prompt`, and how many (0, None without one)."""
         found, count = None, 0
-        for snap in self._snapshots.values():
+        files = self.disk.candidates(prompt) if self.disk is not None else ()
+        for snap in itertools.chain(self._snapshots.values(), files):  # host RAM first: a tie stays there
             n = reusable(snap.tokens, prompt, self.truncatable, snap.checkpoints)
             if n > count:
                 found, count = snap, n
         return count, found
 
     def take(self, snapshot: Snapshot) -> None:
-        """Unpark `snapshot`: its conversation goes back to a sequence (parked again when that one is reused)."""
+        """Unpark `snapshot`: its conversation goes back to a sequence (parked again when that one is reused). A
+        file's snapshot is read into host memory here (its file stays, now the most recently used)."""
         for key, snap in self._snapshots.items():
             if snap is snapshot:
                 self._drop(key)
-                return
+                break
+        if self.disk is not None:
+            self.disk.take(snapshot)
 
     def clear(self) -> None:
         for key in list(self._snapshots):
             self._drop(key)
 
     def _drop(self, key: int) -> None:
-        self.nbytes -= self._snapshots.pop(key).nbytes
+        snap = self._snapshots.pop(key)
+        self.nbytes -= snap.nbytes
+        if self.disk is not None:
+            self.disk.release(snap)  # its ring region may be written over: a write of it not done is given up
 
     def _covers(self, tokens: Sequence[int], other: Sequence[int]) -> bool:
         """A state holding `tokens` serves every prompt at least as well as one holding `other`."""
