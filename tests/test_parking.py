@@ -386,33 +386,47 @@ def test_an_edited_conversation_reuses_the_shared_part_only_without_gdn(model):
 
 
 def test_gdn_checkpoints_serve_a_rewritten_history_and_a_regenerated_answer(model):
-    """With checkpoints (`checkpoint_every`), a hybrid model's conversation can be cut back: an edited turn reuses
-    the latest checkpoint inside the shared prefix (here the one kept before turn one's last prompt token), parked
-    or held, and answers as a fresh read of the whole prompt does; the same prompt again (a regenerated answer)
-    reads only its last token."""
-    engine = engine_with(model, park_gb=0.05, checkpoint_every=8)
+    """With checkpoints (`checkpoint_every` 0: before each prompt's last token), a hybrid model's conversation can
+    be cut back: an edited turn reuses the checkpoint inside the shared prefix, parked or held, and answers as a
+    fresh read of the whole prompt does; the same prompt again (a regenerated answer) reads only its last token."""
+    engine = engine_with(model, park_gb=0.05, checkpoint_every=0)
     gdn = bool(engine.spec.gdn_layers())
     driver = Driver(engine, 1)
-    turn1 = conversation(7)  # 14 tokens: checkpoints at 8 and 13
+    turn1 = conversation(7, 40)  # a checkpoint at 39
     answer, _, _ = driver.run(turn1)
-    driver.run(conversation(8))  # conversation 7 is parked, its checkpoints with it
+    driver.run(conversation(8))  # conversation 7 is parked, its checkpoint with it
     edited = turn1 + answer[:3] + [9, 9, 9]
     got, reused, _ = driver.run(edited)
     assert reused == (len(turn1) - 1 if gdn else len(turn1) + 3)
-    fresh = Driver(engine_with(model, park_gb=0, checkpoint_every=8), 1)
+    fresh = Driver(engine_with(model, park_gb=0, checkpoint_every=0), 1)
     assert got == fresh.run(edited)[0]
-    stayed = Driver(engine_with(model, park_gb=0, checkpoint_every=8), 1)  # held in its slot, not parked
+    stayed = Driver(engine_with(model, park_gb=0, checkpoint_every=0), 1)  # held in its slot, not parked
     stayed.run(turn1)
     stayed_got, stayed_reused, _ = stayed.run(edited)
     assert stayed_reused == reused and stayed_got == got
     again, reused_again, _ = stayed.run(turn1)  # regenerate turn one's answer
     assert reused_again == len(turn1) - 1 and again == answer
     if gdn:
-        state = stayed.scheduler.slots.slots[0].state
-        assert sorted(state.checkpoints) == [8, 13] and state.checkpoint_nbytes() > 0
         off = Driver(engine_with(model, park_gb=0), 1)  # checkpoints off: a GDN state is kept whole or not at all
         off.run(turn1)
         assert off.run(edited)[1] == 0
+
+
+def test_periodic_gdn_checkpoints_serve_an_edit_far_back(model):
+    """Every 16 prompt tokens: an edit at token 20 of a 40-token conversation reads from position 16; a short read
+    after the last periodic checkpoint (39 - 32 < 32 tokens) keeps no prompt-end checkpoint."""
+    engine = engine_with(model, park_gb=0, checkpoint_every=16)
+    gdn = bool(engine.spec.gdn_layers())
+    driver = Driver(engine, 1)
+    turn1 = conversation(9, 40)
+    driver.run(turn1)
+    if gdn:
+        state = driver.scheduler.slots.slots[0].state
+        assert sorted(state.checkpoints) == [16, 32] and state.checkpoint_nbytes() > 0
+    edited = turn1[:20] + [9, 9, 9, 9, 9]
+    got, reused, _ = driver.run(edited)
+    assert reused == (16 if gdn else 20)
+    assert got == Driver(engine_with(model, park_gb=0), 1).run(edited)[0]
 
 
 def test_budget_zero_parks_nothing(model):

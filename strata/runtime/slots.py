@@ -47,6 +47,7 @@ from strata.state.session import SessionState
 
 log = logging.getLogger("strata.engine")
 _order = itertools.count(1)  # admissions and releases, in the order they happened
+PROMPT_END_CHECKPOINT_MIN = 32  # prompt tokens read since the last GDN checkpoint for one before the prompt's end
 
 
 @dataclass
@@ -478,14 +479,18 @@ class Slots:
     def _next_checkpoint(self, slot: Slot) -> int | None:
         """Where the reading slot's next GDN checkpoint falls (`--checkpoint-every`): the next multiple of it, or its
         prompt's last position (so the same prompt, or one that goes on from it, reads at most its last token
-        again), whichever comes first; None without GDN layers, checkpoints or one ahead in this prompt. Not with
+        again) when at least PROMPT_END_CHECKPOINT_MIN tokens were read since the last checkpoint or the reused
+        prefix, whichever comes first; None without GDN layers, checkpoints or one ahead in this prompt. Not with
         pipelined groups (the stages' workers queue the windows)."""
         every = self.engine.checkpoint_every
         if every is None or not slot.state.conv or len(self.groups) > 1:
             return None
         at, end = slot.state.length, len(slot.prompt) - 1
-        cuts = [c for c in ((at // every + 1) * every if every else end, end)
-                if at < c <= end and c not in slot.state.checkpoints]
+        since = max([slot.num_reused, *(c for c in slot.state.checkpoints if c <= at)])
+        cuts = [(at // every + 1) * every] if every else []
+        if end - since >= PROMPT_END_CHECKPOINT_MIN:  # a short read is not worth a window of its own at the end
+            cuts.append(end)
+        cuts = [c for c in cuts if at < c <= end and c not in slot.state.checkpoints]
         return min(cuts, default=None)
 
     def _keep_checkpoints(self, sw: SlotWindow) -> None:
