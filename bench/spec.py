@@ -5,7 +5,8 @@ CPU (the default): greedy answers to two kinds of prompt, at 1, 4 and 8 slots: o
 given text (where a lookup in the conversation's own text finds what comes next) and one that asks a question
 (where it mostly does not). The engines read the same weights; each batch's answers are checked equal with and
 without drafts (drafts never change a greedy answer). Prints tok/s with and without, their ratio, and the
-acceptance per draft position, for each `--spec` given (comma-separated); `--server` then sends the repeat prompt
+acceptance per draft position, for each `--spec` given (comma-separated; `--fixed` adds each with a fixed draft length,
+shown as `mtp:2=`; `--dtype bfloat16` for the engines); `--server` then sends the repeat prompt
 through `strata serve` (streaming clients, a server per setting) for the same ratios as a user gets them. `--spec-max-active` is 64 here, so every
 slot count drafts (the engine's default stops drafting above 4 active slots).
 
@@ -132,7 +133,7 @@ def through_server(args, ids: list[int]) -> None:
     base: dict[int, float] = {}
     print(f"\nthrough strata serve (streaming clients, the repeat prompt, {args.tokens} tokens each):")
     for value in [None, *args.spec.split(",")]:
-        flags = Namespace(device="cpu", dtype="auto", batch=max(counts), max_cells=args.max_cells,
+        flags = Namespace(device="cpu", dtype=args.dtype, batch=max(counts), max_cells=args.max_cells,
                           max_window_tokens=None, paced_engine=None, spec=value)
         server = bench_serve.ServerProcess(args.model, flags)
         try:
@@ -169,19 +170,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--server", action="store_true", help="also through strata serve (the repeat prompt)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the CPU engines' dtype")
+    p.add_argument("--fixed", action="store_true", help="also draft K tokens every window (not one more than the "
+                   "slot's drafts had accepted last time)")
     args = p.parse_args(argv)
     if args.window_cost:
         return window_cost(args)
 
     files = ModelFiles.open(args.model)
     tok = files.tokenizer
-    plain = Engine(files, max_cells=args.max_cells)
+    dtype = getattr(torch, args.dtype)
+    plain = Engine(files, max_cells=args.max_cells, dtype=dtype)
     print(f"{args.model} on cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"{args.tokens} tokens each, greedy")
+          f"{args.dtype}, {args.tokens} tokens each, greedy")
     print(f"{'--spec':>8} {'prompt':>9} {'slots':>5} {'tok/s without':>14} {'with':>8} {'ratio':>6} "
           f"{'accepted / drafted':>19} {'accepted per position':>22}")
-    for value in args.spec.split(","):
-        drafting = Engine(files, max_cells=args.max_cells, speculative=parse_spec(value, max_active=64))
+    import dataclasses
+
+    variants = [(v, True) for v in args.spec.split(",")] + ([(v, False) for v in args.spec.split(",")]
+                                                           if args.fixed else [])
+    for value, adaptive in variants:
+        config = dataclasses.replace(parse_spec(value, max_active=64), adaptive=adaptive)
+        drafting = Engine(files, max_cells=args.max_cells, dtype=dtype, speculative=config)
+        value = value if adaptive else value + "=" 
         for name, text in PROMPTS.items():
             ids = tok.encode_chat([{"role": "user", "content": text}])
             for n in (int(x) for x in args.slots.split(",")):
