@@ -205,7 +205,12 @@ class EngineClient:
             self.unready_since = None
             self.ready.set()
         elif kind == "PARKED":
-            self.metrics.set_parked(_field(words, 1), _field(words, 2))
+            self.metrics.set_parked(_field(words, 1), _field(words, 2), _field(words, 3), _field(words, 4))
+        elif kind == "RESTORED" and len(words) >= 4:
+            try:
+                self.metrics.restored(float(words[1]), words[3])
+            except ValueError:
+                log.warning("engine: a RESTORED line that does not parse: %s", line)
         elif kind == "EXPERTS":
             self.metrics.expert_pairs(_field(words, 1), _field(words, 2))
         elif kind == "SPEC":

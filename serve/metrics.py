@@ -77,7 +77,8 @@ VLLM_METRICS = (
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
                  "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations",
-                 "parked_bytes")
+                 "parked_bytes", "parked_disk_conversations", "parked_disk_bytes")
+RESTORE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # seconds
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -227,7 +228,7 @@ class Metrics:
         self._running = self._waiting = 0
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
-        self._parked = (0, 0)  # conversations parked in the engine's host RAM, their bytes
+        self._parked = (0, 0, 0, 0)  # conversations parked in the engine's host RAM, their bytes; the same on disk
         self._expert_pairs = {"device": 0, "cpu": 0}  # pooled layers' routed pairs, by where they ran, all engines
         self._expert_pairs_seen = (0, 0)  # the running engine's last EXPERTS totals
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
@@ -252,6 +253,12 @@ class Metrics:
                                          "Accepted tokens per draft's position in speculative sequence.",
                                          ["model_name", "engine", "position"], registry=self.registry)
         self._spec_seen: list[int] = []  # the running engine's last SPEC totals
+        self._restore_seconds = Histogram("strata:parked_restore_seconds",
+                                          "Seconds to restore a parked conversation into a sequence, checks included",
+                                          ["model_name", "engine", "tier"], buckets=RESTORE_BUCKETS,
+                                          registry=self.registry)
+        for tier in ("ram", "disk"):
+            self._restore_seconds.labels(model_name, ENGINE_INDEX, tier)
         self.registry.register(_StrataCollector(self))
 
     # events from the HTTP layer and the engine
@@ -392,10 +399,15 @@ class Metrics:
             self._vllm["kv_cache_usage_perc"].set(kv_cache_usage)
             self._vllm["gpu_cache_usage_perc"].set(kv_cache_usage)
 
-    def set_parked(self, conversations: int, nbytes: int) -> None:
-        """The engine's parked conversations and the host RAM they take (its PARKED event)."""
+    def set_parked(self, conversations: int, nbytes: int, disk_conversations: int = 0, disk_bytes: int = 0) -> None:
+        """The engine's parked conversations and the host RAM they take, and those in `--park-dir`'s files (its
+        PARKED event)."""
         with self._lock:
-            self._parked = (conversations, nbytes)
+            self._parked = (conversations, nbytes, disk_conversations, disk_bytes)
+
+    def restored(self, seconds: float, tier: str) -> None:
+        """A parked conversation restored from `tier` (ram or disk) in `seconds` (the engine's RESTORED event)."""
+        self._restore_seconds.labels(self.model_name, ENGINE_INDEX, tier).observe(seconds)
 
     def expert_pairs(self, on_device: int, on_cpu: int) -> None:
         """The engine's EXPERTS running totals (pairs of its pooled layers computed on the device / by the CPU
@@ -460,6 +472,8 @@ class Metrics:
                 "pipeline_groups": int(self._engine_facts.get("batch_groups", 0) or 0),
                 "parked_conversations": self._parked[0],
                 "parked_bytes": self._parked[1],
+                "parked_disk_conversations": self._parked[2],
+                "parked_disk_bytes": self._parked[3],
                 "expert_pairs": dict(self._expert_pairs),
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},

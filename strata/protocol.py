@@ -223,8 +223,15 @@ def window(decode_rows: int, prompt_rows: int) -> str:
     return f"WIN {decode_rows} {prompt_rows}"
 
 
-def parked(conversations: int, num_bytes: int) -> str:
-    return f"PARKED {conversations} {num_bytes}"
+def parked(conversations: int, num_bytes: int, disk_conversations: int = 0, disk_bytes: int = 0) -> str:
+    """The parked conversations and their bytes: in host RAM, then in `--park-dir`'s files."""
+    return f"PARKED {conversations} {num_bytes} {disk_conversations} {disk_bytes}"
+
+
+def restored(seconds: float, num_tokens: int, tier: str) -> str:
+    """A parked conversation was restored into a sequence (`num_tokens` positions, from `tier`: ram or disk), in
+    `seconds` from its admission's lookup to the device having it, checks included."""
+    return f"RESTORED {seconds:.6f} {num_tokens} {tier}"
 
 
 def experts(on_device: int, on_cpu: int) -> str:

@@ -111,7 +111,8 @@ def test_dashboards_show_what_the_issue_lists():
         assert f"vllm:{name}" in vllm, name
     assert "by (finished_reason)" in vllm
     for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "slots_in_use", "slots_total",
-                 "parked_conversations", "pipeline_groups"):
+                 "parked_conversations", "parked_disk_conversations", "parked_bytes", "parked_disk_bytes",
+                 "parked_restore_seconds_bucket", "pipeline_groups"):
         assert f"strata:{name}" in engine, name
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total"):
@@ -191,7 +192,8 @@ def scrape_identity() -> tuple[str, dict[str, str]]:
 
 def send_requests(url: str) -> int:
     """Chat and completions, streamed and not, two at a time (the server has two batch slots); the last one's text
-    repeats, so that its slot drafts (`--spec ngram:2`) and keeps drafts."""
+    repeats, so that its slot drafts (`--spec ngram:2`) and keeps drafts. Then a follow-up of the first completion,
+    which the second pair parked: it is restored (the parking panels)."""
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}
     completion = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     repeating = {"prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "max_tokens": 8, "temperature": 0}
@@ -214,14 +216,16 @@ def send_requests(url: str) -> int:
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"{path} stream={stream}: {e!r}")
 
-    for pair in (requests[:2], requests[2:]):
+    follow_up = {"prompt": "The capital of France is Paris. The capital of Italy is", "max_tokens": 4,
+                 "temperature": 0}
+    for pair in (requests[:2], requests[2:], [("/v1/completions", follow_up, False)]):
         threads = [threading.Thread(target=one, args=r) for r in pair]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     assert not errors, errors
-    return len(requests)
+    return len(requests) + 1
 
 
 @pytest.fixture(scope="module")

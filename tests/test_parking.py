@@ -301,6 +301,8 @@ def test_a_parked_conversation_reads_only_its_new_tokens_and_answers_as_if_it_ha
     held = len(turn2) - 5 - 1  # turn one's prompt and answer, but for the answer's last token (never read)
     assert reused == held
     assert any(line.startswith("PARKED 1 ") for line in parked.out)  # conversation 0, pushed out by conversation 2
+    (restored,) = [line.split() for line in parked.out if line.startswith("RESTORED ")]  # its seconds, tokens, tier
+    assert 0 < float(restored[1]) < 60 and restored[2:] == [str(held), "ram"]
     # the same two turns with the conversation staying in its slot between them
     stayed = Driver(engine_with(model, park_gb=0), 2)
     stayed.run(conversation(0))

@@ -40,7 +40,7 @@ def exit_with_parent() -> None:
         os._exit(1)
 
 
-_CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "EXPERTS", "SPEC")
+_CONTROL = ("ADD", "ABORT", "QUIT", "WAIT", "RUN", "END", "ERR", "READY", "PARKED", "RESTORED", "EXPERTS", "SPEC")
 
 
 class Pipe:

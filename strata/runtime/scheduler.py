@@ -41,7 +41,7 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()  # arrival order
         self.owner: list[str | None] = [None] * num_slots  # the request each slot runs
         self.running: dict[str, int] = {}  # request id -> slot
-        self._parked = (0, 0)  # the conversations and bytes the last PARKED event reported
+        self._parked = (0, 0, 0, 0)  # the conversations and bytes (RAM, disk) the last PARKED event reported
         self._pools = [p for stage in engine.stages for p in stage.forward.pools.values()]  # CPU expert pools
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
@@ -99,6 +99,8 @@ class Scheduler:
         self._emit_events(events)
         self._report_experts()
         self._report_spec()
+        if self.engine.parking.disk is not None:  # its files are written in the background
+            self._report_parking()
 
     def _fail_running(self, message: str) -> None:
         for index in self.slots.abandon():
@@ -209,8 +211,12 @@ class Scheduler:
     def _report_parking(self) -> None:
         """Say PARKED when the parked conversations or their bytes changed (admissions park and unpark them)."""
         lot = self.engine.parking
-        if (lot.conversations, lot.nbytes) != self._parked:
-            self._parked = (lot.conversations, lot.nbytes)
+        for seconds, num_tokens, tier in lot.restores:
+            self.emit(protocol.restored(seconds, num_tokens, tier))
+        lot.restores.clear()
+        disk = (lot.disk.conversations, lot.disk.nbytes) if lot.disk is not None else (0, 0)
+        if (lot.conversations, lot.nbytes, *disk) != self._parked:
+            self._parked = (lot.conversations, lot.nbytes, *disk)
             self.emit(protocol.parked(*self._parked))
 
 

@@ -49,6 +49,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
@@ -259,6 +260,7 @@ class DiskSnapshot(Snapshot):
     the header; its tensors are read when it is taken (`DiskTier.take`). A file that fails a check is refused at
     restore (deleted or moved aside) and the restore raises SnapshotRefused naming it."""
 
+    where: ClassVar[str] = "disk"
     path: Path | None = None
     failure: BadFile | None = None  # why the file could not be read when it was taken
     names: tuple[str, ...] = ()  # its tensors' names, as its header lists them

@@ -33,10 +33,12 @@ import itertools
 import logging
 import math
 import os
+import re
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-import re
 from dataclasses import MISSING, dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
@@ -239,6 +241,7 @@ class Snapshot:
     """One parked conversation: its tokens and a host copy of its state (per layer, as `SessionState` holds it), in
     its region of the lot's ring."""
 
+    where: ClassVar[str] = "ram"  # the tier it is parked in (a file's: "disk")
     tokens: list[int]
     k: dict[int, torch.Tensor]  # [length, Hkv, D]
     v: dict[int, torch.Tensor]
@@ -390,6 +393,7 @@ class ParkingLot:
             raise StrataError(f"a parking budget of {budget} bytes: give 0 or more (0 turns parking off)")
         self.budget, self.truncatable, self.fingerprint = budget, truncatable, fingerprint
         self.refused = 0  # snapshots refused at restore (`SnapshotRefused`)
+        self.restores: list[tuple[float, int, str]] = []  # (seconds, tokens, tier) of restores not yet reported
         self.ring = HostRing(budget)
         self.nbytes = 0
         self.evictions = 0  # snapshots dropped to make room
@@ -473,16 +477,18 @@ def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[Sess
         if other is not state and (n := reusable(other.tokens, prompt, lot.truncatable, other.checkpoints)) > count:
             count, source = n, other
     parked, snap = lot.best(prompt)
+    started = time.perf_counter()
     if parked > count:
         count, source = parked, snap
-        lot.take(snap)  # before parking `state`, so making room cannot evict it
+        lot.take(snap)  # before parking `state`, so making room cannot evict it (a file's is read here)
     if source is not state or count < state.length:
         lot.park(state, avoid=source if isinstance(source, Snapshot) else None)
     if source is state:
         state.truncate(count)
     elif isinstance(source, Snapshot):
         try:
-            source.restore(state, count, lot.fingerprint)
+            source.restore(state, count, lot.fingerprint)  # its checksum waits for the copies
+            lot.restores.append((time.perf_counter() - started, count, source.where))
         except SnapshotRefused as e:
             lot.refused += 1
             log.warning("a parked conversation of %d tokens was refused: %s; its prompt (%d tokens) is read again",
