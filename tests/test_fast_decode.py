@@ -87,8 +87,9 @@ def test_triton_decode_through_two_stages(engines):
 @pytest.mark.parametrize("engines", ["qwen3_next", "qwen3_moe-mixed-dense", "llama-gqa-tied"], indirect=True)
 def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypatch):
     """Rows past the first chunk of the split attention (cells in fixed chunks, merged by the last chunk to finish;
-    Qwen3-Next's output gate applied by the merge): the torch path's tokens and logits, rows bitwise the same alone
-    or batched. The chunk is lowered so a short prompt crosses chunks."""
+    Qwen3-Next's output gate applied by the merge): the torch path's tokens and logits, and (on the attention-only
+    model: the kernel is the same for every family, and the interpreter is slow) rows bitwise the same alone or
+    batched. The chunk is lowered so a short prompt crosses chunks."""
     from strata.kernels import attention
 
     monkeypatch.setattr(attention, "SPLIT_CELLS", 64)
@@ -100,6 +101,8 @@ def test_rows_past_the_first_chunk_decode_with_split_attention(engines, monkeypa
         engine.run(state, ids)
     a, b = (engine.run(state, [5]) for engine, state in zip(engines, states))
     assert float((a - b).abs().max() / a.abs().max()) < 1e-4
+    if fast.spec.gdn_layers() or fast.spec.moe is not None:
+        return
     solo = decode_logits(fast.init_slots(1), {0: ids}, 2)[0]
     batch = decode_logits(fast.init_slots(3), {0: prompt(0), 1: ids, 2: prompt(3)}, 2)
     assert torch.equal(batch[1], solo)
