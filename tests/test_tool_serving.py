@@ -101,14 +101,20 @@ def forced_whole(client):
     return {k: chat(client, messages=ASK, tools=TOOLS, max_tokens=48, **kw) for k, kw in FORCED.items()}
 
 
-@pytest.mark.parametrize("choice", FORCED)
-def test_forced_call_validates_against_the_function_schema(forced_whole, choice):
-    r = forced_whole[choice].choices[0]
+def assert_one_forced_call(r, choice: str):
+    """A choice that is one tool call (named: get_weather) whose arguments validate, and nothing else; the call."""
     assert r.finish_reason == "tool_calls"
     assert r.message.content is None and len(r.message.tool_calls) == 1
     call = r.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
     assert_valid_call(call.function.name, call.function.arguments, "get_weather" if choice == "named" else None)
+    return call
+
+
+@pytest.mark.parametrize("choice", FORCED)
+def test_forced_call_validates_against_the_function_schema(forced_whole, choice):
+    r = forced_whole[choice].choices[0]
+    assert_one_forced_call(r, choice)
 
 
 @pytest.mark.parametrize("choice", FORCED)
@@ -396,12 +402,7 @@ def test_xml_forced_call_validates_whole_and_streamed(coder, coder_forced, choic
     """The grammar writes the call as the template's model would (`<tool_call>\\n<function=...>`, one element per
     parameter); the XML parser reads it into `tool_calls` whose arguments validate; streamed, the same call."""
     _, client, model = coder
-    r = coder_forced[choice].choices[0]
-    assert r.finish_reason == "tool_calls"
-    assert r.message.content is None and len(r.message.tool_calls) == 1
-    call = r.message.tool_calls[0]
-    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
-    assert_valid_call(call.function.name, call.function.arguments, "get_weather" if choice == "named" else None)
+    call = assert_one_forced_call(coder_forced[choice].choices[0], choice)
 
     deltas, finish, _ = streamed_chat(client, model=model, messages=ASK, tools=TOOLS, max_tokens=256,
                                       **FORCED[choice])
