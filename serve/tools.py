@@ -507,7 +507,11 @@ class ToolCallStream:
             self._buf = buf[at + len(marker):]
             self._open(marker)
             return True
-        keep = 0 if final else _partial_marker(buf, self._openers)
+        keep = _partial_marker(buf, self._openers)
+        if final:  # after a call, the start of a marker at the very end is a next call cut off (max_tokens): dropped
+            self._content(buf[: len(buf) - keep] if self.calls else buf)
+            self._buf = ""
+            return False
         self._content(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
