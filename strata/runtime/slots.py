@@ -386,7 +386,8 @@ class Slots:
         window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
         samplers = [i for i in decoding for _ in range(1 + len(drafts.get(i, ())))]
         samplers += [i for i, _ in chunks if i not in unread_left]
-        leaders = {i: j for j, i in enumerate(samplers) if i in {c for c, _ in chunks}}
+        read = {i for i, _ in chunks}
+        leaders = {i: j for j, i in enumerate(samplers) if i in read}  # samplers whose prompt's last row is here
         followers = [f for f in members if self.slots[f].active and self.slots[f].follows in leaders]
         shared = [leaders[self.slots[f].follows] for f in followers]
         samplers += followers
