@@ -205,7 +205,8 @@ class EngineClient:
             self.unready_since = None
             self.ready.set()
         elif kind == "PARKED":
-            self.metrics.set_parked(_field(words, 1), _field(words, 2), _field(words, 3), _field(words, 4))
+            self.metrics.set_parked(_field(words, 1), _field(words, 2), _field(words, 3), _field(words, 4),
+                                    _field(words, 5))
         elif kind == "RESTORED" and len(words) >= 4:
             try:
                 self.metrics.restored(float(words[1]), words[3])

@@ -206,6 +206,11 @@ class _StrataCollector(Collector):
         for where, count in facts["expert_pairs"].items():
             pairs.add_metric(labels + [where], float(count))
         yield pairs
+        reused = CounterMetricFamily("strata:parked_reused_bytes", "Bytes of restored conversations' K/V cells that "
+                                     "parking them again did not copy again (reuse on re-park)",
+                                     labels=["model_name", "engine"])
+        reused.add_metric(labels, float(facts["parked_reused_bytes_total"]))
+        yield reused
 
 
 class Metrics:
@@ -229,6 +234,8 @@ class Metrics:
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
         self._parked = (0, 0, 0, 0)  # conversations parked in the engine's host RAM, their bytes; the same on disk
+        self._reused_bytes = 0  # bytes re-parks did not copy again, all engines
+        self._reused_seen = 0  # the running engine's last total of them
         self._expert_pairs = {"device": 0, "cpu": 0}  # pooled layers' routed pairs, by where they ran, all engines
         self._expert_pairs_seen = (0, 0)  # the running engine's last EXPERTS totals
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
@@ -399,11 +406,17 @@ class Metrics:
             self._vllm["kv_cache_usage_perc"].set(kv_cache_usage)
             self._vllm["gpu_cache_usage_perc"].set(kv_cache_usage)
 
-    def set_parked(self, conversations: int, nbytes: int, disk_conversations: int = 0, disk_bytes: int = 0) -> None:
-        """The engine's parked conversations and the host RAM they take, and those in `--park-dir`'s files (its
-        PARKED event)."""
+    def set_parked(self, conversations: int, nbytes: int, disk_conversations: int = 0, disk_bytes: int = 0,
+                   reused_bytes: int | None = None) -> None:
+        """The engine's parked conversations and the host RAM they take, and those in `--park-dir`'s files, and its
+        running total of bytes that re-parks did not copy (its PARKED event; a total below the last one means a new
+        engine process, which counts from 0)."""
         with self._lock:
             self._parked = (conversations, nbytes, disk_conversations, disk_bytes)
+            if reused_bytes is not None:
+                last = self._reused_seen if reused_bytes >= self._reused_seen else 0
+                self._reused_bytes += reused_bytes - last
+                self._reused_seen = reused_bytes
 
     def restored(self, seconds: float, tier: str) -> None:
         """A parked conversation restored from `tier` (ram or disk) in `seconds` (the engine's RESTORED event)."""
@@ -474,6 +487,7 @@ class Metrics:
                 "parked_bytes": self._parked[1],
                 "parked_disk_conversations": self._parked[2],
                 "parked_disk_bytes": self._parked[3],
+                "parked_reused_bytes_total": self._reused_bytes,
                 "expert_pairs": dict(self._expert_pairs),
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},

@@ -223,9 +223,11 @@ def window(decode_rows: int, prompt_rows: int) -> str:
     return f"WIN {decode_rows} {prompt_rows}"
 
 
-def parked(conversations: int, num_bytes: int, disk_conversations: int = 0, disk_bytes: int = 0) -> str:
-    """The parked conversations and their bytes: in host RAM, then in `--park-dir`'s files."""
-    return f"PARKED {conversations} {num_bytes} {disk_conversations} {disk_bytes}"
+def parked(conversations: int, num_bytes: int, disk_conversations: int = 0, disk_bytes: int = 0,
+           reused_bytes: int = 0) -> str:
+    """The parked conversations and their bytes: in host RAM, then in `--park-dir`'s files; and the bytes that
+    conversations parked again did not copy again (their restored image's cells), a running total."""
+    return f"PARKED {conversations} {num_bytes} {disk_conversations} {disk_bytes} {reused_bytes}"
 
 
 def restored(seconds: float, num_tokens: int, tier: str) -> str:

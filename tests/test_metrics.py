@@ -83,7 +83,11 @@ def _three_requests() -> tuple[Metrics, list[RequestRecord]]:
     m.finished(c, "stop", t0 + 1.60)  # a second finish of the same request is ignored
     m.preempted()
     m.prefix_cache(queries=49, hits=16)
-    m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000)  # its PARKED event
+    m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000,
+                 reused_bytes=1_000)  # its PARKED events: a running total of bytes re-parks did not copy
+    m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000, reused_bytes=4_000)
+    m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000,
+                 reused_bytes=500)  # a new engine process counts from 0: the counter goes on from 4,000
     m.restored(0.004, "ram")  # its RESTORED events
     m.restored(0.03, "ram")
     m.restored(0.3, "disk")
@@ -220,6 +224,7 @@ def test_strata_facts_in_the_scrape(samples, three):
     assert _value(samples, "strata:slots_total") == 4
     assert _value(samples, "strata:parked_conversations") == 2 and _value(samples, "strata:parked_bytes") == 3e6
     assert _value(samples, "strata:parked_disk_conversations") == 5 and _value(samples, "strata:parked_disk_bytes") == 9e6
+    assert _value(samples, "strata:parked_reused_bytes_total") == 4_500
     restores = {(s.labels["tier"], s.labels["le"]): s.value for s in samples["strata:parked_restore_seconds_bucket"]}
     assert restores[("ram", "0.005")] == 1 and restores[("ram", "0.05")] == 2 and restores[("ram", "+Inf")] == 2
     assert restores[("disk", "0.2")] == 0 and restores[("disk", "0.5")] == 1
@@ -235,7 +240,7 @@ def test_json_facts(three):
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
         "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes",
-        "parked_disk_conversations", "parked_disk_bytes", "expert_pairs",
+        "parked_disk_conversations", "parked_disk_bytes", "parked_reused_bytes_total", "expert_pairs",
         "gpu_util", "gpu_memory_used_bytes",
         "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"

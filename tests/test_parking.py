@@ -220,6 +220,78 @@ def test_reuse_prefix_keeps_copies_or_restores_and_parks_what_it_displaces(spec)
     assert lot.best(a_ids + [16])[0] == len(a_ids)  # the parked copy stayed parked
 
 
+def grow(state: SessionState, new_tokens: list[int], seed: int) -> None:
+    """`state` reads `new_tokens`: random K/V in their cells, new random GDN states."""
+    generator = torch.Generator().manual_seed(seed)
+    n, m = state.length, len(new_tokens)
+    for t in (*state.k.values(), *state.v.values()):
+        t[n : n + m].copy_(torch.randn(t[n : n + m].shape, generator=generator))
+    for t in (*state.conv.values(), *state.recurrent.values()):
+        t.copy_(torch.randn(t.shape, generator=generator))
+    state.length, state.tokens = n + m, state.tokens + list(new_tokens)
+
+
+def cell_bytes(state: SessionState, cells: int) -> int:
+    return sum(t[:cells].numel() * t.element_size() for t in (*state.k.values(), *state.v.values()))
+
+
+def test_a_restored_conversation_parked_again_copies_only_its_new_cells(spec):
+    """Reuse on re-park: each turn the conversation comes back from its image, reads a few tokens and is parked again;
+    the new image holds only the new cells (and the GDN states) and extends the old one, restores bit for bit, and
+    a file of it stands alone. The chain of images stays short: past `MAX_DEPTH` an image is copied whole."""
+    lot = lot_for(spec, 10**9)
+    tokens = list(range(1, 21))
+    first = filled(spec, tokens, seed=20)
+    assert lot.park(first) and lot.reused_bytes == 0  # a state never restored: copied whole
+    state, depths, reused = filled(spec, [5], seed=21), [], 0
+    for turn in range(6):
+        new = [60 + 4 * turn + j for j in range(4)]
+        count = reuse_prefix(state, tokens + new, [], lot)  # back from its image (what `state` held is parked)
+        assert count == len(tokens) and state.origin is not None
+        grow(state, new, seed=30 + turn)
+        tokens = tokens + new
+        expected = state.length, list(state.tokens), {i: t.clone() for i, t in state.k.items()}
+        before = lot.reused_bytes
+        assert lot.park(state)
+        image = lot.best(tokens + [99])[1]
+        depths.append(image.depth)
+        if image.base is not None:
+            assert image.base_cells == len(tokens) - 4
+            assert lot.reused_bytes - before == cell_bytes(state, image.base_cells)
+            assert all(t.shape[0] == 4 for t in image.k.values())  # its own cells: the new ones only
+            reused += 1
+        else:
+            assert lot.reused_bytes == before
+        copy = filled(spec, [7], seed=22)
+        image.restore(copy, len(tokens))
+        assert_same_state(copy, state)
+        whole = Snapshot.from_named(image.named_tensors(), tokens=list(tokens), nbytes=image.nbytes)  # as a file holds it
+        assert all(torch.equal(whole.k[i], expected[2][i][: len(tokens)]) for i in whole.k)
+        state = filled(spec, [5], seed=23)  # the conversation leaves its sequence (held by another one now)
+    assert depths == [2, 3, 4, 1, 2, 3] and reused == 5
+
+
+def test_an_image_whose_base_was_written_over_is_evicted_and_a_re_park_copies_whole(spec):
+    a_ids = list(range(1, 21))
+    size = Snapshot.region_bytes(filled(spec, a_ids, seed=24))
+    lot = lot_for(spec, int(2.6 * size))
+    assert lot.park(filled(spec, a_ids, seed=24))  # "a" at the ring's start
+    state = filled(spec, [5], seed=25)
+    assert reuse_prefix(state, a_ids + [30, 31], [], lot) == len(a_ids)
+    grow(state, [30, 31], seed=26)
+    assert lot.park(state)  # extends "a"'s bytes, placed beside them
+    b_ids = list(state.tokens)
+    image = lot.best(b_ids + [99])[1]
+    assert image.base is not None
+    lot.park(filled(spec, list(range(40, 60)), seed=27))  # fills the ring's end ...
+    lot.park(filled(spec, list(range(70, 90)), seed=28))  # ... and wraps over "a"'s bytes
+    assert lot.best(b_ids + [99]) == (0, None) and lot.evictions >= 1  # its image went with them, never restored
+    before = lot.reused_bytes
+    grow(state, [32], seed=29)
+    assert lot.park(state) and lot.reused_bytes == before  # its origin's bytes are gone: copied whole
+    assert lot.best(state.tokens + [99])[1].base is None
+
+
 def test_bad_budgets_are_refused_with_a_clear_message(capsys):
     ram = host_ram_bytes()
     assert park_budget(None) == int(min(DEFAULT_PARK_GB * GB, ram / 4))
@@ -309,6 +381,29 @@ def test_a_parked_conversation_reads_only_its_new_tokens_and_answers_as_if_it_ha
     stayed_answer, stayed_reused, _ = stayed.run(turn2)
     assert stayed_reused == held and answer == stayed_answer
     assert not any(line.startswith("PARKED") for line in stayed.out)
+
+
+def test_a_conversation_parked_again_after_a_restore_copies_only_its_new_cells(model):
+    """Three turns, others taking both slots between them: the second park of the conversation extends the image its
+    second turn was restored from (PARKED reports the bytes not copied again), and the third turn, restored from the
+    two images, answers as if the conversation had stayed."""
+    engine = engine_with(model, park_gb=0.05)
+    driver = Driver(engine, 2)
+    turns, answers = [conversation(0)], []
+    for k in range(3):
+        answers.append(driver.run(turns[-1])[0])
+        if k < 2:
+            driver.run(conversation(10 + 2 * k))
+            driver.run(conversation(11 + 2 * k))
+            turns.append(turns[-1] + answers[-1] + [3, 1, 4 + k])
+    reused = [int(line.split()[5]) for line in driver.out if line.startswith("PARKED ")]
+    assert reused[-1] == engine.parking.reused_bytes > 0 and sorted(reused) == reused
+    first_turn_cells = len(turns[1]) - 3 - 1  # turn one's prompt and answer, but for its last token
+    state = driver.scheduler.slots.slots[0].state
+    assert reused[-1] == cell_bytes(state, first_turn_cells)  # the second park: turn one's cells not copied again
+    stayed = Driver(engine_with(model, park_gb=0), 2)
+    assert [stayed.run(turn)[0] for turn in turns] == answers
+    assert engine.parking.refused == 0
 
 
 def test_a_corrupt_parked_conversation_is_read_again_and_answers_the_same(model, caplog):

@@ -154,11 +154,17 @@ def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor | int:
     return 0 if total is None else total
 
 
+REUSE_MIN_CELLS = 16  # a re-park extends the image a state was restored from when they share at least these cells
 ALIGN = 256  # bytes: where each tensor of a snapshot starts in the ring
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two (offset, bytes) regions share a byte."""
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[1] > 0 and b[1] > 0
 
 
 def _flatten(name: str, value, out: dict) -> None:
@@ -218,15 +224,17 @@ class HostRing:
             pinned = pinned and torch.cuda.is_available()
             self.block = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pinned)
 
-    def place(self, size: int, avoid: tuple[int, int] | None = None) -> int | None:
+    def place(self, size: int, avoid: Iterable[tuple[int, int]] = ()) -> int | None:
         """The offset of `size` bytes at the head (wrapping to 0 when they do not fit before the end), never over
-        the region `avoid`; None when no such place exists."""
-        for _ in range(3):
+        a region of `avoid` ((offset, bytes) each); None when no such place exists."""
+        avoid = list(avoid)
+        for _ in range(len(avoid) + 3):
             if self.head + size > self.capacity:
                 self.head = 0
             start, end = self.head, self.head + size
-            if avoid is not None and start < avoid[0] + avoid[1] and avoid[0] < end:
-                self.head = avoid[0] + avoid[1]
+            hit = next((a for a in avoid if _overlap((start, size), a)), None)
+            if hit is not None:
+                self.head = hit[0] + hit[1]
                 continue
             self.head = end
             return start
@@ -254,30 +262,64 @@ class Snapshot:
     tokens_hash: str = ""  # of `tokens`, as parked
     sum: torch.Tensor | int = 0  # `checksum` of its tensors, taken on the state's device when parked
     checkpoints: dict = field(default_factory=dict)  # the state's GDN checkpoints (host copies, shared with it)
+    # reuse on re-park: the image this one extends, whose first `base_cells` K/V cells it shares (its own `k` and
+    # `v` hold cells [base_cells, length) only); None: it holds every cell
+    base: "Snapshot | None" = None
+    base_cells: int = 0
+
+    MAX_DEPTH: ClassVar[int] = 4  # images in a chain of bases, at most: a restore copies each one's cells
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
-    @staticmethod
-    def parts(state: SessionState) -> list[list[torch.Tensor]]:
-        """The tensors a snapshot of `state` keeps: K cells [0, length), V cells, conv and recurrent states."""
-        n = state.length
-        return [[t[:n] for t in state.k.values()], [t[:n] for t in state.v.values()], list(state.conv.values()),
-                list(state.recurrent.values())]
+    @property
+    def depth(self) -> int:
+        return 1 + (self.base.depth if self.base is not None else 0)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """The ring regions this image reads: its own and its bases'."""
+        return [self.region] + (self.base.regions() if self.base is not None else [])
+
+    def pieces(self, end: int | None = None) -> list[tuple["Snapshot", int, int]]:
+        """Where cells [0, end) are (all of them by default): (image, first cell, end cell) in order, the image's
+        own `k[i][first - image.base_cells : end - image.base_cells]`."""
+        end = self.length if end is None else end
+        out = self.base.pieces(min(self.base_cells, end)) if self.base is not None and self.base_cells else []
+        if end > self.base_cells:
+            out.append((self, self.base_cells, end))
+        return out
+
+    def cells(self, kind: str) -> dict[int, torch.Tensor]:
+        """Every layer's K (`kind` "k") or V cells [0, length) as one tensor: the image's own, or its pieces joined
+        (a copy) when it extends a base."""
+        own = getattr(self, kind)
+        if self.base is None:
+            return own
+        return {i: torch.cat([getattr(img, kind)[i][a - img.base_cells : b - img.base_cells]
+                              for img, a, b in self.pieces()]) for i in own}
 
     @staticmethod
-    def region_bytes(state: SessionState) -> int:
-        return sum(_aligned(t.numel() * t.element_size()) for part in Snapshot.parts(state) for t in part)
+    def parts(state: SessionState, first: int = 0) -> list[list[torch.Tensor]]:
+        """The tensors a snapshot of `state` keeps: K cells [first, length), V cells, conv and recurrent states."""
+        n = state.length
+        return [[t[first:n] for t in state.k.values()], [t[first:n] for t in state.v.values()],
+                list(state.conv.values()), list(state.recurrent.values())]
+
+    @staticmethod
+    def region_bytes(state: SessionState, first: int = 0) -> int:
+        return sum(_aligned(t.numel() * t.element_size()) for part in Snapshot.parts(state, first) for t in part)
 
     @classmethod
     @torch.inference_mode()
-    def of(cls, state: SessionState, ring: HostRing, offset: int, fingerprint: str = "") -> "Snapshot":
+    def of(cls, state: SessionState, ring: HostRing, offset: int, fingerprint: str = "",
+           base: "Snapshot | None" = None, base_cells: int = 0) -> "Snapshot":
         """Copy `state`'s committed prefix into the ring at `offset` (asynchronously from a GPU), with what
-        `problem` and `restore` check it by."""
+        `problem` and `restore` check it by. With `base`, an image whose first `base_cells` cells `state` still
+        holds unchanged: only the cells past them are copied (and the GDN states, whole)."""
         total = checksum(t for part in cls.parts(state) for t in part)
         dicts, at = [], offset
-        for layers, part in zip((state.k, state.v, state.conv, state.recurrent), cls.parts(state)):
+        for layers, part in zip((state.k, state.v, state.conv, state.recurrent), cls.parts(state, base_cells)):
             host = {}
             for i, t in zip(layers, part):
                 host[i] = ring.view(at, t)
@@ -286,7 +328,7 @@ class Snapshot:
             dicts.append(host)
         snap = cls(list(state.tokens), *dicts, snapshot_bytes(state), (offset, at - offset),
                    fingerprint=fingerprint, tokens_hash=token_hash(state.tokens), sum=total,
-                   checkpoints=dict(state.checkpoints))
+                   checkpoints=dict(state.checkpoints), base=base, base_cells=base_cells if base is not None else 0)
         snap.copied += state.checkpoint_events  # the checkpoints' copies into host memory
         devices = {t.device for t in (*state.k.values(), *state.conv.values()) if t.device.type == "cuda"}
         for device in devices:
@@ -303,16 +345,18 @@ class Snapshot:
 
     # what a file holds (`strata.state.park_disk`): the fields below travel in its header, every other field's
     # tensors by name
-    METADATA = ("tokens", "nbytes", "region", "copied", "fingerprint", "tokens_hash", "sum")
+    METADATA = ("tokens", "nbytes", "region", "copied", "fingerprint", "tokens_hash", "sum", "base", "base_cells")
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of this snapshot by a stable name: each field but `METADATA`, and in it the dict keys and
         tuple positions down to the tensor (`k.3`, `recurrent.0`, `checkpoints.8.0[1]`); a field added later
-        travels as it is. `from_named` builds the snapshot back."""
+        travels as it is. An image that extends a base gives its cells whole (a file stands alone). `from_named`
+        builds the snapshot back."""
         named: dict[str, torch.Tensor] = {}
         for f in fields(self):
             if f.name not in self.METADATA:
-                _flatten(f.name, getattr(self, f.name), named)
+                value = self.cells(f.name) if f.name in ("k", "v") else getattr(self, f.name)
+                _flatten(f.name, value, named)
         return named
 
     @classmethod
@@ -345,7 +389,7 @@ class Snapshot:
             if sorted(mine) != sorted(theirs):
                 return f"its {name} layers are {sorted(mine)}, the sequence's {sorted(theirs)}"
             for i, t in mine.items():
-                shape = (n, *theirs[i].shape[1:]) if cells else tuple(theirs[i].shape)
+                shape = (n - self.base_cells, *theirs[i].shape[1:]) if cells else tuple(theirs[i].shape)
                 if tuple(t.shape) != shape or t.dtype != theirs[i].dtype:
                     return (f"layer {i}'s {name} is {tuple(t.shape)} {t.dtype}, the sequence needs {shape} "
                             f"{theirs[i].dtype}")
@@ -365,9 +409,12 @@ class Snapshot:
             raise SnapshotRefused(problem)
         self.wait()
         n = self.length
-        for i in state.k:
-            state.k[i][:n].copy_(self.k[i], non_blocking=True)
-            state.v[i][:n].copy_(self.v[i], non_blocking=True)
+        for img, a, b in self.pieces():
+            if img is not self:
+                img.wait()
+            for i in state.k:
+                state.k[i][a:b].copy_(img.k[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
+                state.v[i][a:b].copy_(img.v[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
         for i in state.conv:
             state.conv[i].copy_(self.conv[i], non_blocking=True)
             state.recurrent[i].copy_(self.recurrent[i], non_blocking=True)
@@ -378,6 +425,7 @@ class Snapshot:
             raise SnapshotRefused(f"its bytes changed since it was parked (checksum {arrived:#x}, parked "
                                   f"{int(self.sum):#x})")
         state.checkpoints = dict(self.checkpoints)
+        state.origin = (self, n)
         state.truncate(length)  # with GDN layers: back to the checkpoint at `length`
 
 
@@ -399,6 +447,10 @@ class ParkingLot:
         self.evictions = 0  # snapshots dropped to make room
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()  # least recently parked first
         self._keys = itertools.count()
+        # images out of the lot whose ring bytes are still intact (taken by a sequence, or replaced by a later turn
+        # of their conversation): a sequence restored from one copies only its new cells when parked again
+        self._intact: dict[int, Snapshot] = {}
+        self.reused_bytes = 0  # bytes that re-parks did not copy again (running total)
         self.disk = disk
 
     @property
@@ -409,26 +461,58 @@ class ParkingLot:
         """Keep a snapshot of what `state` holds; False when it holds nothing or does not fit in the budget at all
         (with a budget of 0: always). Snapshots that this one serves at least as well are dropped, and those whose
         ring region it takes are evicted (the least recently parked). `avoid`: a snapshot just taken whose region
-        must not be written yet (its restore reads it after this park)."""
-        size = Snapshot.region_bytes(state)
-        if state.length == 0 or size > self.budget:
+        must not be written yet (its restore reads it after this park).
+
+        A state restored from an image whose ring bytes are intact copies only the cells it wrote since (past the
+        cells it still shares with that image) and its GDN states: the new image extends the old one (`base`),
+        whose bytes it then needs; `reused_bytes` counts what was not copied."""
+        if state.length == 0:
+            return False
+        base, shared = self._base(state)
+        size = Snapshot.region_bytes(state, shared)
+        if size > self.budget:
             return False
         self.ring.reserve(pinned=any(t.device.type == "cuda" for t in (*state.k.values(), *state.conv.values())))
-        offset = self.ring.place(size, avoid.region if avoid is not None else None)
+        keep = ([avoid.region] if avoid is not None and avoid.where == "ram" else []) + \
+            (base.regions() if base is not None else [])
+        offset = self.ring.place(size, keep)
+        if offset is None and base is not None:  # no room beside the old image's bytes: copy every cell
+            base, shared, size = None, 0, Snapshot.region_bytes(state)
+            offset = self.ring.place(size, keep[:1])
         if offset is None:
             return False
+        new = (offset, size)
         for key, snap in list(self._snapshots.items()):
-            if self._covers(state.tokens, snap.tokens):
-                self._drop(key)
-            elif offset < snap.region[0] + snap.region[1] and snap.region[0] < offset + size:
-                self._drop(key)
+            if any(_overlap(new, r) for r in snap.regions()):
+                self._drop(key, intact=False)
                 self.evictions += 1
-        self._snapshots[next(self._keys)] = Snapshot.of(state, self.ring, offset, self.fingerprint)
-        snap = self._snapshots[next(reversed(self._snapshots))]
+            elif self._covers(state.tokens, snap.tokens):
+                self._drop(key)
+        for key, snap in list(self._intact.items()):
+            if any(_overlap(new, r) for r in snap.regions()):
+                del self._intact[key]
+        snap = Snapshot.of(state, self.ring, offset, self.fingerprint, base, shared)
+        self._snapshots[next(self._keys)] = snap
         self.nbytes += snap.nbytes
+        if base is not None:
+            self.reused_bytes += sum(t[:shared].numel() * t.element_size() for t in (*state.k.values(), *state.v.values()))
+        state.origin = (snap, state.length)  # parked again later, it extends this image
         if self.disk is not None:
             self.disk.write(snap, self._covers)  # in the background, once its copies are done
         return True
+
+    def _base(self, state: SessionState) -> tuple[Snapshot | None, int]:
+        """The image `state` was restored from, when its ring bytes are intact and its chain of bases is short
+        enough, and how many leading cells `state` still shares with it (none: (None, 0))."""
+        if state.origin is None:
+            return None, 0
+        image, cells = state.origin
+        cells = min(cells, state.length, image.length)
+        intact = self._intact.get(id(image)) is image or any(s is image for s in self._snapshots.values())
+        if not intact or cells < REUSE_MIN_CELLS or image.depth >= Snapshot.MAX_DEPTH or not state.k \
+                or state.tokens[:cells] != image.tokens[:cells]:
+            return None, 0
+        return image, cells
 
     def best(self, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
         """The parked snapshot that serves the most leading tokens of `prompt`, and how many (0, None without one)."""
@@ -452,11 +536,16 @@ class ParkingLot:
 
     def clear(self) -> None:
         for key in list(self._snapshots):
-            self._drop(key)
+            self._drop(key, intact=False)
+        self._intact.clear()
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, intact: bool = True) -> None:
+        """Take a snapshot out of the lot; `intact`: its ring bytes stay as they are for now (taken, or replaced
+        by a later turn), so a sequence restored from it may still extend it."""
         snap = self._snapshots.pop(key)
         self.nbytes -= snap.nbytes
+        if intact and snap.where == "ram":
+            self._intact[id(snap)] = snap
         if self.disk is not None:
             self.disk.release(snap)  # its ring region may be written over: a write of it not done is given up
 

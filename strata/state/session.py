@@ -68,6 +68,9 @@ class SessionState:
         # after the first `position` tokens, by position; the state can be cut back to any of them
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.checkpoint_events: list = []  # CUDA events: the copies into host memory are done once they are
+        # the parked image this state was restored from (`strata.state.parking.Snapshot`) and how many of its leading
+        # cells this state still holds unchanged: parked again, those cells need no copy (reuse on re-park)
+        self.origin: tuple[object, int] | None = None
 
     @classmethod
     def standalone(cls, spec: ModelSpec, layers: range, max_cells: int, device: torch.device,
@@ -88,6 +91,7 @@ class SessionState:
         self.length = 0
         self.tokens = []
         self.checkpoints = {}
+        self.origin = None
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()
 
@@ -107,6 +111,12 @@ class SessionState:
             self.set_gdn(self.checkpoints[length])
         self.length, self.tokens = length, self.tokens[:length]
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= length}
+        self._keep_origin(length)
+
+    def _keep_origin(self, cells: int) -> None:
+        """Cells from `cells` on will be written again: they no longer equal the parked image's."""
+        if self.origin is not None:
+            self.origin = (self.origin[0], min(self.origin[1], cells))
 
     def cuts(self) -> set[int]:
         """The lengths this state can be cut back to besides its own: any with attention layers only, else its
@@ -154,6 +164,7 @@ class SessionState:
                 self.recurrent[layer].copy_(recurrent)
         self.kept.clear()
         self.length = length
+        self._keep_origin(length)
 
     @torch.inference_mode()
     def copy_from(self, other: "SessionState", length: int | None = None) -> None:
@@ -175,6 +186,7 @@ class SessionState:
             self.set_gdn(other.checkpoints[n])
         self.length, self.tokens = n, other.tokens[:n]
         self.checkpoints = {p: c for p, c in other.checkpoints.items() if p <= n}
+        self.origin = None
 
     def nbytes(self) -> int:
         tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())
