@@ -33,6 +33,8 @@ with SmolLM2's tokenizer (hence `--vocab 49152`: every generated id decodes to t
     python bench/serve.py --model default --batch 8 --concurrency 1,4,8 --tokens 32 --long-prompt 1000 --max-cells 2048
     # the server alone, at a GPU's pace (any machine)
     python bench/serve.py --paced-engine 8 --batch 64 --concurrency 1,8,16,32,64 --tokens 256 --max-cells 8192
+    # two long conversations alternating on one slot (parked and restored every turn)
+    python bench/serve.py --model default --alternate 1500,3 --max-cells 2048
     # a GPU
     python bench/serve.py --shape qwen3-30b-a3b --layers 24 --device cuda --batch 64 --concurrency 1,8,16,32,64 \\
         --max-cells 8192 --json serve.json
@@ -588,6 +590,73 @@ def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[li
     return out
 
 
+# two conversations taking turns (--alternate)
+
+FOLLOW_UP = 16  # tokens a turn adds
+
+
+def alternating_turns(args, vocab: int) -> tuple[list[tuple[str, list[int]]], list[int]]:
+    """The turns in order (A1, B1, A2, B2, ...), each (name, prompt ids), and a prompt of the last turn's length that
+    shares nothing with them (the re-read anchor)."""
+    length, _, turns = args.alternate.partition(",")
+    length, turns = int(length), int(turns or 3)
+    bases = dict(zip("AB", prompts("alternate", 2, length, vocab)))
+    order = []
+    for k in range(turns):
+        for name, base in bases.items():
+            extra = prompts(f"alternate-{name}", turns, FOLLOW_UP, vocab)
+            order.append((f"{name}{k + 1}", base + [t for e in extra[:k] for t in e]))
+    return order, prompts("alternate-fresh", 1, len(order[-1][1]), vocab)[0]
+
+
+def alternate(model: str, args, vocab: int) -> None:
+    """Two long conversations alternating on one slot, through `strata serve` and in process on the same weights."""
+    from strata.model.loader import ModelFiles
+    from strata.runtime.generate import Engine
+    from strata.runtime.scheduler import Scheduler
+    from strata.runtime.warmup import warm_up
+
+    args.batch = 1  # each admission parks the conversation the slot held
+    order, fresh = alternating_turns(args, vocab)
+    answer = 8
+    print(f"two conversations alternating on one slot: {len(order[0][1])} tokens, +{FOLLOW_UP} a turn; "
+          f"{answer}-token answers", flush=True)
+    server = ServerProcess(model, args)
+    http: dict[str, float] = {}
+    try:
+        server.wait_healthy()
+
+        async def turns() -> None:
+            await warm_client(server.url)
+            for name, ids in [*order, ("fresh", fresh)]:
+                s = await one_request(server.url, ids, answer)
+                if s.error or s.ttft is None:
+                    raise SystemExit(f"turn {name} failed: {s.error}; see {server.log_path}:\n{server.log_tail()}")
+                http[name] = s.ttft
+
+        asyncio.run(turns())
+    finally:
+        server.stop()
+    engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
+                    max_window_tokens=args.max_window_tokens, checkpoint_every=0)  # the CLI's parking settings
+    scheduler = Scheduler(engine, 1, lambda line: None)
+    warm_up(scheduler.slots)
+    driver = InProcess(scheduler, args.device)
+    local: dict[str, float] = {}
+    for name, ids in [*order, ("fresh", fresh)]:
+        rid = driver.add(ids, answer)
+        driver.step_until(lambda: rid in driver.ended)
+        local[name] = driver.ttft(rid)
+    print(f"{'turn':>6} {'prompt':>7} {'HTTP TTFT ms':>12} {'engine TTFT ms':>14} {'HTTP/engine':>11} "
+          f"{'re-read/HTTP':>12}")
+    for name, ids in [*order, ("fresh", fresh)]:
+        print(f"{name:>6} {len(ids):>7} {http[name] * 1e3:>12.1f} {local[name] * 1e3:>14.1f} "
+              f"{http[name] / local[name]:>10.2f}x {http['fresh'] / http[name]:>11.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "http_ttft_s": http, "engine_ttft_s": local},
+                                              indent=1))
+
+
 # the report
 
 
@@ -678,6 +747,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure the server alone, in front of a stand-in engine giving each running request a token "
                    "every MS milliseconds (bench/paced_engine.py)")
     p.add_argument("--json", help="also write every figure to this file")
+    p.add_argument("--alternate", metavar="TOKENS[,TURNS]",
+                   help="instead of the waves: two conversations of TOKENS tokens take turns on a one-slot server "
+                        "(each turn parks the other; TURNS turns each, default 3, adding 16 tokens a turn): every "
+                        "turn's TTFT over HTTP and in process, against reading the last turn's prompt from nothing")
     args = p.parse_args(argv)
     if args.shape:
         from shapes import SHAPES
@@ -739,6 +812,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.paced_engine is not None:
         return paced(model, args, wave_prompts)
+    if args.alternate:
+        return alternate(model, args, vocab)
     print("strata serve:", flush=True)
     server = ServerProcess(model, args)
     try:

@@ -599,7 +599,7 @@ def test_a_snapshot_is_written_through_and_a_new_lot_finds_it_on_disk(spec, tmp_
     assert path.name == f"{snap.tokens_hash}.park.safetensors"
     with safe_open(str(path), framework="pt") as f:
         meta, names = f.metadata(), set(f.keys())
-    assert meta["format"] == "strata-parked-conversation" and meta["format_version"] == "1"
+    assert meta["format"] == "strata-parked-conversation" and meta["format_version"] == "2"
     assert meta["fingerprint"] == "model-a" and list(decode_tokens(meta["tokens"])) == tokens_
     assert meta["token_hash"] == snap.tokens_hash and int(meta["checksum"]) == int(snap.sum)
     assert int(meta["nbytes"]) == snapshot_bytes(parked) and names == set(snap.named_tensors())
@@ -777,7 +777,7 @@ def test_a_damaged_or_foreign_file_is_refused_and_the_prompt_read_again(model, p
     elif damage == "model":
         rewrite(path, fingerprint="0123456789abcdef")
     elif damage == "version":
-        rewrite(path, format_version="2")
+        rewrite(path, format_version="1")
     elif damage == "tokens":
         ids = list(decode_tokens(meta["tokens"]))
         ids[3] = (ids[3] + 1) % VOCAB
@@ -797,7 +797,7 @@ def test_a_damaged_or_foreign_file_is_refused_and_the_prompt_read_again(model, p
     assert reused == 0
     expected = {"byte": "its bytes changed since it was written", "truncated": "not a complete safetensors file",
                 "cut-after-start": "cut short", "model": "parked by another model",
-                "version": "written in version '2' of the format", "tokens": "token list does not match"}[damage]
+                "version": "written in version '1' of the format", "tokens": "token list does not match"}[damage]
     assert expected in caplog.text and parked.name in caplog.text
     at_take = damage in ("byte", "cut-after-start")
     assert engine.parking.refused == (1 if at_take else 0)

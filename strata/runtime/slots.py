@@ -48,6 +48,10 @@ from strata.state.session import SessionState
 log = logging.getLogger("strata.engine")
 _order = itertools.count(1)  # admissions and releases, in the order they happened
 PROMPT_END_CHECKPOINT_MIN = 32  # prompt tokens read since the last GDN checkpoint for one before the prompt's end
+# prompt rows a window runs with its decode rows, on the decode kernels (replayed from a CUDA graph on a GPU) as a
+# drafting slot's rows are: a short chunk, such as a parked conversation's follow-up, then costs a graph replay
+# instead of a prompt window's launches (`_short_chunks`)
+SHORT_CHUNK_ROWS = 16
 
 
 @dataclass
@@ -377,12 +381,13 @@ class Slots:
             left -= len(ids)
         if not decoding and not chunks:
             return None
-        chunks.sort(key=lambda c: len(c[1]) != 1)  # one-row chunks join the decode rows (`Window.split`)
+        short = self._short_chunks(chunks)
+        chunks.sort(key=lambda c: len(c[1]) != 1 and c[0] not in short)  # they join the decode rows (`Window.split`)
         unread_left = {i for i, _ in chunks if self.slots[i].unread}  # chunks that are not their prompt's last
         parts = [(self.slots[i].state, [0], False) if latest is not None else
                  (self.slots[i].state, [self.slots[i].next_token] + drafts[i], "apart") if i in drafts else
                  (self.slots[i].state, [self.slots[i].next_token], False) for i in decoding]
-        parts += [(self.slots[i].state, ids, False if i not in unread_left else None) for i, ids in chunks]
+        parts += [(self.slots[i].state, ids, False if i not in unread_left else None, i in short) for i, ids in chunks]
         window = Window.build(parts, self.engine.device, fed=len(decoding) if latest is not None else 0)
         samplers = [i for i in decoding for _ in range(1 + len(drafts.get(i, ())))]
         samplers += [i for i, _ in chunks if i not in unread_left]
@@ -411,6 +416,20 @@ class Slots:
             self.slots[i].state.length += len(ids)
             self.slots[i].state.tokens += ids
         return sw
+
+    def _short_chunks(self, chunks: list[tuple[int, list[int]]]) -> set[int]:
+        """The slots whose prompt chunk runs with the decode rows, a row per position (`Window.build`'s `apart`):
+        chunks of 2 to `SHORT_CHUNK_ROWS` rows, at most that many rows in all, on the Triton decode kernels (the
+        torch reference runs the decode rows one segment at a time) and of models without GDN layers (their decode
+        step takes one row per sequence)."""
+        if self.engine.kernels != "triton" or self.engine.spec.gdn_layers():
+            return set()
+        short, room = set(), SHORT_CHUNK_ROWS
+        for i, ids in chunks:
+            if 1 < len(ids) <= room:
+                short.add(i)
+                room -= len(ids)
+        return short
 
     def _drafts(self, decoding: list[int], room: int) -> dict[int, list[int]]:
         """Draft tokens for the decoding slots, within `room` rows of the window: at most what their max_new and

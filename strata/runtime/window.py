@@ -72,18 +72,22 @@ class Window:
               fed: int = 0) -> "Window":
         """parts: (state, token ids continuing that state, which rows want logits: True every row, False the last
         row, None none — a prompt chunk that is not its prompt's last; "apart": every row, each row a segment of
-        its own — a drafting slot's last token and its drafts, run as decode rows one position after another).
+        its own — a drafting slot's last token and its drafts, run as decode rows one position after another),
+        and optionally `apart` (True: each row a segment of its own, as decode rows, whichever rows want logits —
+        a short prompt chunk run with the decode rows).
         `fed`: the first so many rows take their tokens from the device (sampled by the window before; `feed`):
         their ids here only count the rows, and `tokens` stays None until the caller feeds them."""
         tokens, positions, segments, logit_rows = [], [], [], []
         row = 0
-        for state, ids, all_logits in parts:
+        for state, ids, all_logits, *apart in parts:
             state.reserve(len(ids))
             if all_logits == "apart":
                 segments += [Segment(state, row + j, row + j + 1, state.length + j, keep=bool(state.conv))
                              for j in range(len(ids))]
                 state.kept.clear()
                 all_logits = True
+            elif apart and apart[0]:
+                segments += [Segment(state, row + j, row + j + 1, state.length + j) for j in range(len(ids))]
             else:
                 segments.append(Segment(state, row, row + len(ids), state.length))
             tokens += ids

@@ -8,11 +8,11 @@ new tokens. `ParkingLot.best` looks in host RAM first, then here (the longest re
 RAM); taking a file's conversation reads its tensors into host memory (pinned on a GPU) and restores it through the
 same `Snapshot.restore`, checks included.
 
-The format, version 1: a safetensors file named `<token hash>.park.safetensors`, written under a temporary name and
+The format, version 2 (version 1 hashed the tokens' text; its files are refused as another version): a safetensors file named `<token hash>.park.safetensors`, written under a temporary name and
 renamed (a reader never sees half a file). Its tensors are the snapshot's (`Snapshot.named_tensors`: `k.3`,
 `recurrent.0`, ...); its header's metadata (strings) says:
 
-- `format`: "strata-parked-conversation", `format_version`: "1";
+- `format`: "strata-parked-conversation", `format_version`: "2";
 - `fingerprint`: the model's (`model_fingerprint`): a file of another model is refused;
 - `tokens`: the conversation's tokens, base64 of int32 little-endian; `token_hash`: their hash (`token_hash`);
 - `checksum`: the snapshot's own checksum (taken on the device when parked; `Snapshot.restore` checks it again);
@@ -60,7 +60,7 @@ from strata.state.parking import GB, Snapshot, SnapshotRefused, checksum, token_
 
 log = logging.getLogger("strata.engine")
 
-FORMAT, VERSION = "strata-parked-conversation", "1"
+FORMAT, VERSION = "strata-parked-conversation", "2"
 SUFFIX = ".park.safetensors"
 REFUSED = ".refused"  # appended to the name of an intact file that belongs to another model or format version
 TEMP = ".tmp"  # a file being written: `.<token hash>.<pid>.<n>.park.safetensors.tmp`
