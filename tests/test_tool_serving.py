@@ -252,6 +252,7 @@ def test_a_forced_call_is_written_as_the_parser_reads_it(grammars, fmt_name, cho
     from serve.requests import ToolPlan, forced_call_constraint
     from serve.schemas import ChatCompletionRequest
     from serve.tools import HERMES, LLAMA3_JSON, parse_tool_calls
+    from strata.grammar.tools import MAX_PARALLEL_CALLS
 
     fmt = {"hermes": HERMES, "llama3_json": LLAMA3_JSON}[fmt_name]
     body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **FORCED[choice]})
@@ -274,6 +275,9 @@ def test_a_forced_call_is_written_as_the_parser_reads_it(grammars, fmt_name, cho
         body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
         parallel = forced_call_constraint(body, ToolPlan(fmt, frozenset(SCHEMAS), True, True))
         assert accepts(grammars, parallel, two) and accepts(grammars, parallel, written("arguments"))
+        most = fmt.separator.join([written("arguments")] * MAX_PARALLEL_CALLS)  # a small model's loop ends there
+        assert accepts(grammars, parallel, most)
+        assert not accepts(grammars, parallel, most + fmt.separator + written("arguments"))
         assert [c.name for c in parse_tool_calls(two, fmt, SCHEMAS)[1]] == ["get_weather", "get_time"]
 
 

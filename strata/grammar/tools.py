@@ -35,6 +35,10 @@ XML_FUNCTION, XML_FUNCTION_END = "<function=", "</function>"
 XML_PARAMETER, XML_PARAMETER_END = "<parameter=", "</parameter>"
 XML_VALUE_ENDS = (XML_PARAMETER_END, XML_PARAMETER, XML_FUNCTION_END, XML_CALL_END)
 WRAPS = ("hermes", "qwen3_coder")
+# a forced answer's parallel calls: at most this many. Unbounded, a small model repeats a call until max_tokens or
+# the context ends it (seen with tool_choice "required" on the 135M default); real agents' turns call far fewer.
+MAX_PARALLEL_CALLS = 16
+PARALLEL_START = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}'
 
 
 def tool_functions(tools: list[dict], name: str | None = None) -> dict[str, dict]:
@@ -77,7 +81,8 @@ def tool_call_constraint(tools: list[dict], name: str | None = None, *, wrap: st
     """The constraint for a forced tool call. `wrap` None: the answer is the call's JSON alone. `wrap="hermes"`: the
     Hermes / Qwen text form, `<tool_call>\\n{json}\\n</tool_call>`, as a Lark grammar with the schema inline (llguidance
     compiles the JSON part from the schema inside the grammar, no regex approximation). `wrap="qwen3_coder"`: the
-    XML form (`xml_call_grammar`). With `parallel` (a wrapper only), one or more blocks, a newline apart."""
+    XML form (`xml_call_grammar`). With `parallel` (a wrapper only), 1 to `MAX_PARALLEL_CALLS` blocks, a newline
+    apart."""
     if wrap == "qwen3_coder":
         return Constraint.grammar(xml_call_grammar(tool_functions(tools, name), parallel=parallel))
     schema = tool_call_schema(tools, name, arguments_key=arguments_key)
@@ -89,7 +94,7 @@ def tool_call_constraint(tools: list[dict], name: str | None = None, *, wrap: st
         raise StrataError(f"unknown tool-call wrapper {wrap!r} (known: {', '.join(WRAPS)})")
     inline = json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)  # the JSON style inside Lark too
     call = f'"<tool_call>\\n" %json {inline} "\\n</tool_call>"'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    start = PARALLEL_START if parallel else "start: call"
     return Constraint.grammar(f"{start}\ncall: {call}\n")
 
 
@@ -103,7 +108,7 @@ _CLOSE = "\n" + XML_PARAMETER_END
 
 def xml_call_grammar(functions: dict[str, dict], *, parallel: bool = False) -> str:
     """The Lark grammar (llguidance's dialect) of one call of any of `functions` ({name: parameters schema}), or with
-    `parallel` of one or more, written as Qwen3-Coder's chat template writes a past call: `<tool_call>\\n<function=
+    `parallel` of 1 to `MAX_PARALLEL_CALLS`, written as Qwen3-Coder's chat template writes a past call: `<tool_call>\\n<function=
     NAME>\\n`, each parameter `<parameter=KEY>\\nVALUE\\n</parameter>\\n`, then `</function>\\n</tool_call>`; calls a
     newline apart.
 
@@ -133,7 +138,7 @@ def xml_call_grammar(functions: dict[str, dict], *, parallel: bool = False) -> s
         body = " ".join([_lit(f"{XML_FUNCTION}{fname}>\n"), *parts, _lit(XML_FUNCTION_END + "\n")])
         rules.append(f"f{i}: {body}")
         branches.append(f"f{i}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    start = PARALLEL_START if parallel else "start: call"
     call = f"call: {_lit(XML_CALL_START + chr(10))} ({' | '.join(branches)}) {_lit(XML_CALL_END)}"
     lexemes = [f"{name}: {regex}" for regex, name in terminals.items()]
     return "\n".join([start, call, *rules, *lexemes]) + "\n"
