@@ -308,3 +308,41 @@ def test_calibration_builds_an_engine_with_the_pool(model, tmp_path):
     finally:
         torch.set_num_threads(before)
     assert engine.expert_residency() == {"cpu": 0.5}
+
+
+@pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, False)] + (
+    [(torch.bfloat16, True)] if __import__("strata.experts.pool", fromlist=["packable"]).packable(torch.bfloat16)
+    else []))  # oneDNN's blocked bf16 weights where the CPU has AVX-512 or AMX (not on the 2-core CI machine)
+def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
+    """The pool's share of each row, in either weight layout: the float32 sum of its pairs (against a float64
+    reference), and bitwise the same whether the row is computed alone or among other rows in a decode window."""
+    from strata.experts.pool import ExpertPool
+    from strata.kernels.invariant import in_row_blocks
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i, k, rows = 12, 64, 32, 4, 7
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(e, h, i, generator=g) * 0.2).to(dtype)
+    here = [1, 2, 3, 5, 8, 9, 11]  # the pool's experts (the others are resident elsewhere)
+    pool = ExpertPool({"gate_up": gate_up[here], "down": down[here], "ids": torch.tensor(here)}, e, pack=pack)
+    assert pool.packed == pack and pool.nbytes == (gate_up[here].numel() + down[here].numel()) * gate_up.element_size()
+    x = torch.randn(rows, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=g).to(dtype)
+    out = pool.compute(x, weights, ids, in_row_blocks)
+    want = torch.zeros(rows, h, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(k):
+            j = int(ids[r, c])
+            if j in here:
+                a = x[r].double() @ gate_up[j].double().T
+                act = torch.nn.functional.silu(a[:i]) * a[i:]
+                want[r] += weights[r, c].double() * (act @ down[j].double().T)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+    for r in range(rows):
+        alone = pool.compute(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], in_row_blocks)
+        assert torch.equal(alone[0], out[r]), r
+    pool_pairs = sum(int(j) in here for j in ids.reshape(-1))
+    assert pool.pairs_here == 2 * pool_pairs and pool.pairs_total == 2 * rows * k  # batched, then row by row
+    assert pool.experts_read >= len({int(j) for j in ids.reshape(-1)} & set(here)) and pool.busy_s > 0

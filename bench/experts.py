@@ -1,0 +1,149 @@
+"""Experts beyond VRAM: decode speed with part of each MoE layer's experts in host RAM, against its roofline.
+
+Random weights at a real shape (`--shape`, `--layers`; the same layers for every row), the engine in-process on
+one GPU. For each share of the routed experts kept on the GPU (`--resident`, through `expert_budget_gb`) and each
+count of decoding conversations (`--rows`): tokens per second, and the roofline computed in the same run:
+
+    a window's floor = the all-resident window's time (measured here)
+                     + the bytes of the distinct host experts the window's rows route to / the host's read bandwidth
+
+where the host's read bandwidth is measured here too (a streaming read of a 1 GiB buffer by torch's threads; the
+best of a float32 sum and an int32 max) and the bytes come from the pools' own counts (`ExpertPool.experts_read`).
+Also printed: the CPU pool's host time per window, the host's wait for each layer's rows to arrive from the GPU,
+and the rate the pool read the weights at (bytes / its time), and the
+PCIe upload rate (pinned, 256 MB) for `--pcie-frac` to come.
+
+    python bench/experts.py --shape qwen3-30b-a3b --layers 8 --resident 1,0.5,0.25,0.1 --rows 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def host_read_gbps(threads: int) -> dict[str, float]:
+    """GB/s of streaming reads of a 1 GiB buffer by `threads` torch threads (touched first: no page faults)."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(256 * 2**20, dtype=torch.float32)
+    out = {}
+    for name, fn in (("float32 sum", lambda: buf.sum()), ("int32 max", lambda: buf.view(torch.int32).max())):
+        fn()
+        best = min(_timed(fn) for _ in range(5))
+        out[name] = buf.nbytes / best / 1e9
+    return out
+
+
+def pcie_gbps(device: torch.device) -> float:
+    host = torch.ones(256 * 2**20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return host.nbytes / best / 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(engine, rows: int, tokens: int, prompt_len: int) -> dict[str, float]:
+    """Decode `tokens` tokens for `rows` conversations (prompts read before the clock starts): tok/s, and per
+    window the CPU pools' host seconds and the bytes of the experts they read."""
+    pools = [p for stage in engine.stages for p in stage.forward.pools.values()]
+    windows = [0]
+    slots = engine.init_slots(rows)
+    vocab = engine.spec.vocab_size
+    for i in range(rows):
+        slots.admit_now(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8,
+                        stop_ids=frozenset())
+    for _ in range(3):
+        slots.step()
+    sync(engine.device)
+    before = [(p.busy_s, p.experts_read) for p in pools]
+    waited = sum(p.wait_s for p in pools)
+    start = time.perf_counter()
+    produced = 0
+    while produced < rows * tokens:
+        produced += len(slots.step())
+        windows[0] += 1
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    slots.flush()
+    busy = sum(p.busy_s - b for p, (b, _) in zip(pools, before))
+    read = sum((p.experts_read - n) * p.expert_bytes for p, (_, n) in zip(pools, before))
+    return {"tps": produced / elapsed, "window_s": elapsed / windows[0], "pool_s": busy / windows[0],
+            "pool_bytes": read / windows[0], "wait_s": (sum(p.wait_s for p in pools) - waited) / windows[0]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from shapes import shape
+
+    from strata.experts.residency import expert_bytes
+    from strata.model.random_weights import random_stage_weights
+    from strata.runtime.generate import Engine
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--resident", default="1,0.5,0.25,0.1", help="shares of each layer's routed experts on the GPU")
+    p.add_argument("--rows", default="1,8", help="decoding conversations")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
+    args = p.parse_args(argv)
+    spec = shape(args.shape, args.layers)
+    device = torch.device(args.device)
+    threads = args.cpu_threads or torch.get_num_threads()
+    reads = host_read_gbps(threads)
+    host_bw = max(reads.values())
+    moe_layers = sum(1 for layer in spec.layers if layer.mlp == "moe")
+    all_experts_gb = moe_layers * spec.moe.num_experts * expert_bytes(spec, 2) / 1e9
+    print(f"{args.shape}, {args.layers} layers ({moe_layers} MoE, {spec.moe.num_experts} experts of "
+          f"{expert_bytes(spec, 2) / 1e6:.1f} MB, top-{spec.moe.top_k}), random weights, bfloat16, "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; {threads} CPU threads")
+    pcie = f"; PCIe upload {pcie_gbps(device):.1f} GB/s" if device.type == "cuda" else ""
+    print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
+    print(f"{'resident':>8} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
+          f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9}")
+    full: dict[int, float] = {}
+    for share in (float(x) for x in args.resident.split(",")):
+        budget = [share * all_experts_gb] if share < 1 else None
+        engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=args.prompt_len + args.tokens + 64,
+                        spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads,
+                        weights=lambda layers, dev, trim: random_stage_weights(spec, layers, dev, torch.bfloat16))
+        for rows in (int(x) for x in args.rows.split(",")):
+            m = measure(engine, rows, args.tokens, args.prompt_len)
+            if share >= 1:
+                full[rows] = m["window_s"]
+            floor = full.get(rows, float("nan")) + m["pool_bytes"] / (host_bw * 1e9)
+            roof = rows / floor
+            pool_rate = m["pool_bytes"] / m["pool_s"] / 1e9 if m["pool_s"] else float("nan")
+            print(f"{share:>8.0%} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
+                  f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
+                  f"{pool_rate:>9.1f}", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
