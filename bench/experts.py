@@ -108,9 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8", help="decoding conversations")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--pool-graphs", action="store_true", help="replay pooled windows from segment graphs "
+                   "(STRATA_POOL_GRAPHS=1: `GraphedPooledDecode`)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     args = p.parse_args(argv)
+    if args.pool_graphs:
+        from strata.runtime import fast_decode
+
+        fast_decode.POOL_GRAPHS = True
     spec = shape(args.shape, args.layers)
     device = torch.device(args.device)
     threads = args.cpu_threads or torch.get_num_threads()

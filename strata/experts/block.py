@@ -28,6 +28,22 @@ def pooled_moe(x: torch.Tensor, w: Tensors, m: MoESpec, pool: ExpertPool, rows=p
     """x [R, H] -> the MoE block's output [R, H]. `rows`: how the torch path runs per-row work (`in_row_blocks`
     in decode windows); kernels "prompt" / "decode": the Triton router and grouped GEMMs with prompt or decode
     tiles (the "decode" products through the row-invariant `linear_triton`)."""
+    steps = pooled_moe_steps(x, w, m, rows, kernels)
+    _, rows_x, weights, ids = next(steps)
+    job = pool.start(rows_x, weights, ids)  # the rows go to the host while the device works on its share
+    _, cpu_rows = steps.send(None)
+    try:
+        steps.send(job.finish(cpu_rows))
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("pooled_moe_steps did not end after the pool's share")
+
+
+def pooled_moe_steps(x: torch.Tensor, w: Tensors, m: MoESpec, rows=plain, kernels: str = "torch"):
+    """`pooled_moe` as a generator, for callers that move the rows to the pool themselves (a decode window replayed
+    from CUDA graphs, `strata.runtime.fast_decode.GraphedPooledDecode`). It yields ("start", x, weights, ids) once
+    the rows are routed (send None back: the device's share is queued next), then ("finish", cpu_rows) (send the
+    pool's share on the rows' device, computed with `cpu_rows`), and returns the block's output."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
     shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
@@ -42,7 +58,7 @@ def pooled_moe(x: torch.Tensor, w: Tensors, m: MoESpec, pool: ExpertPool, rows=p
         run_linear = linear
         run_swiglu = lambda *a: swiglu(*a, linear=linear)  # noqa: E731
         cpu_rows = in_row_blocks if kernels == "decode" else plain
-    job = pool.start(x, weights, ids)  # the rows go to the host while the device works on its share
+    yield "start", x, weights, ids
     gate_up, down = w["experts_gate_up"], w["experts_down"]
     slots = w["expert_slot"][ids.long()]  # [R, k] resident slot, or M: computed by the pool, skipped here
     if gate_up.shape[0] == 0:  # nothing resident (a budget of 0)
@@ -53,4 +69,5 @@ def pooled_moe(x: torch.Tensor, w: Tensors, m: MoESpec, pool: ExpertPool, rows=p
         tiles = decode_tiles(x.shape[0]) if kernels == "decode" else PROMPT_TILES
         out = fused_experts_triton(x, weights, slots, gate_up, down, tiles)
     out = add_shared_expert(out, x, shared, w.get("shared_gate"), run_swiglu, run_linear)
-    return out + job.finish(cpu_rows)
+    from_pool = yield "finish", cpu_rows
+    return out + from_pool

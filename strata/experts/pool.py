@@ -90,14 +90,15 @@ class ExpertPool:
         experts, counts = torch.unique_consecutive(here, return_counts=True)
         self.experts_read += int(experts.numel())
         route = weights.reshape(-1).float()
-        ys, start = [], 0
+        start = 0
         for e, n in zip(experts.tolist(), counts.tolist()):
             sel = pairs[start : start + n]
             start += n
-            ys.append(rows(self._expert, x[sel // k], e).float() * route[sel, None])
-        # one pair per row and expert, in ascending expert id: index_add_ adds them in that order (a row's sum does
-        # not depend on the window's other rows)
-        out.index_add_(0, pairs // k, torch.cat(ys) if len(ys) > 1 else ys[0])
+            row = sel // k
+            y = rows(self._expert, x[row], e).float() * route[sel, None]
+            # one call an expert (its rows are distinct): a row's sum runs in ascending expert id. One call for
+            # all the pairs would repeat rows, and torch may add a repeated index's rows on several threads at once
+            out.index_add_(0, row, y)
         return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:

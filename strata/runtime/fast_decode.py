@@ -11,10 +11,15 @@ static buffers. A row's logits are bitwise the same alone or among any other row
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+import weakref
+
 import torch
 import torch.nn.functional as F
 
-from strata.experts.block import pooled_moe
+from strata.experts.block import pooled_moe_steps
 from strata.experts.pool import ExpertPool
 from strata.kernels.attention import decode_attention_split_triton
 from strata.kernels.elementwise import silu_mul_triton
@@ -29,6 +34,12 @@ from strata.model.weights import StageWeights, Tensors
 from strata.runtime.forward import split_qkv
 from strata.state.session import StatePool
 
+log = logging.getLogger("strata.engine")
+# Replay pooled stages' decode windows from segment graphs (`GraphedPooledDecode`). Off by default until its output
+# is checked bitwise against the eager path on a GPU (bench/decode.py's invariance check with --expert-budget-gb);
+# bench/experts.py --pool-graphs measures it.
+POOL_GRAPHS = os.environ.get("STRATA_POOL_GRAPHS") == "1"
+
 
 class TritonDecode:
     """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
@@ -36,7 +47,8 @@ class TritonDecode:
     def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor,
                  pools: dict[int, ExpertPool] | None = None):
         """`pools`: the CPU expert pools of the MoE layers that keep some experts in host RAM. Their layers wait
-        for the host mid-window, so a stage with pools is not captured as a CUDA graph (`Forward`)."""
+        for the host mid-window: a stage with pools runs eagerly, or with `POOL_GRAPHS` as one graph per stretch
+        between two of them (`GraphedPooledDecode`)."""
         self.spec, self.weights, self.inv_freq = spec, weights, inv_freq
         self.pools = pools or {}
         self.scale = spec.attention.head_dim**-0.5
@@ -44,6 +56,21 @@ class TritonDecode:
     def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
         logits [R, V] on the last stage, else this stage's hidden states."""
+        steps = self.steps(pool, inp, positions, seq_ids)
+        try:
+            ask = next(steps)
+            while True:  # the CPU pools' layers (`steps`): their rows to the host, their share back
+                _, i, x, weights, ids = ask
+                job = self.pools[i].start(x, weights, ids)
+                _, cpu_rows = steps.send(None)
+                ask = steps.send(job.finish(cpu_rows))
+        except StopIteration as done:
+            return done.value
+
+    def steps(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor):
+        """The window as a generator: at each layer with a CPU pool it yields ("start", layer, x, weights, ids) (send
+        None) and then ("finish", cpu_rows) (send the pool's share of the rows, on their device); returns what
+        `__call__` returns. Without pools it yields nothing."""
         x = F.embedding(inp, self.weights.embed) if not inp.is_floating_point() else inp  # [R, hidden]
         pending = None  # the last block's output, added to x by the next norm (one kernel for both)
         for i, w in self.weights.layers.items():
@@ -53,7 +80,13 @@ class TritonDecode:
             else:
                 h = self._gdn(i, w, h, pool, seq_ids)
             h, x = self._add_norm(h, x, w["mlp_norm"])
-            pending = self._mlp(i, w, h)
+            if i in self.pools:
+                steps = pooled_moe_steps(h, w, self.spec.moe, kernels="decode")
+                start = next(steps)
+                yield (start[0], i, *start[1:])
+                pending = yield from _forward(steps)
+            else:
+                pending = self._mlp(i, w, h)
         if self.weights.final_norm is None:
             return x if pending is None else x + finish(pending)
         h, _ = self._add_norm(pending, x, self.weights.final_norm)
@@ -96,13 +129,22 @@ class TritonDecode:
         if self.spec.layers[i].mlp == "dense":
             return linear_split(silu_mul_triton(linear_split(x, w["gate_up"])), w["down"])
         m = self.spec.moe
-        if i in self.pools:
-            return pooled_moe(x, w, m, self.pools[i], kernels="decode")
         shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
         # the experts' pairs (and the shared expert) are added up by the next norm
         return moe_triton(x, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
                           w.get("shared_gate"), linear=linear_split, tiles=decode_tiles(x.shape[0]), defer=True,
                           shared_pair=True)
+
+
+def _forward(steps):
+    """`yield from` a started `pooled_moe_steps`: its "finish" request and the value it returns."""
+    request = steps.send(None)
+    result = yield request
+    try:
+        steps.send(result)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("pooled_moe_steps did not end after the pool's share")
 
 
 class GraphedDecode:
@@ -153,3 +195,112 @@ class GraphedDecode:
         with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
             out = self.decode(pool, *bufs)
         return graph, bufs, out
+
+
+class GraphedPooledDecode:
+    """`TritonDecode` of a stage with CPU expert pools, replayed from CUDA graphs in segments: one graph from the
+    window's start (or a pooled layer's return) to the next pooled layer's rows being copied to the host, with that
+    layer's resident experts. Between two segments the host waits for the copy, computes the pool's pairs into a
+    pinned buffer, and the next segment begins by uploading it. So the device's work between two pools costs one
+    graph launch instead of its kernels' launches, and the rows, the pool's inputs and its share live in fixed
+    buffers (captured once per (state pool, row count), as `GraphedDecode`)."""
+
+    WARMUP = 2
+
+    def __init__(self, decode: TritonDecode):
+        self.decode = decode
+        self.memory_pool = None
+        self.eager = False  # set when a capture failed
+
+    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        if self.eager:
+            return self.decode(pool, tokens, positions, seq_ids)
+        graphs = pool.__dict__.setdefault("cuda_graphs", {})
+        key = (id(self), tokens.shape[0])
+        entry = graphs.get(key)
+        if entry is None:
+            try:
+                entry = graphs[key] = self._capture(pool, tokens, positions, seq_ids)
+            except RuntimeError as e:  # a kernel that cannot be captured: run the stage's windows eagerly
+                log.warning("decode windows with the CPU expert pool run without CUDA graphs: capturing them failed "
+                            "(%s)", e)
+                self.eager = True
+                return self.decode(pool, tokens, positions, seq_ids)
+        segments, (t_buf, p_buf, s_buf), io, out = entry
+        t_buf.copy_(tokens)
+        p_buf.copy_(positions)
+        s_buf.copy_(seq_ids)
+        stream = torch.cuda.current_stream(tokens.device)
+        for k, graph in enumerate(segments):
+            if k:  # the pool of the layer the last segment ended at: its rows are on the host once the copy is done
+                layer, x_h, w_h, ids_h, share_h, cpu_rows, copied = io[k - 1]
+                start = time.perf_counter()
+                copied.synchronize()
+                self.decode.pools[layer].wait_s += time.perf_counter() - start
+                share_h.copy_(self.decode.pools[layer].compute(x_h, w_h, ids_h, cpu_rows))
+            graph.replay()
+            if k < len(io):
+                io[k][-1].record(stream)
+        return out.clone()
+
+    def _capture(self, pool, tokens, positions, seq_ids):
+        bufs = (tokens.clone(), positions.clone(), seq_ids.clone())
+        rows = seq_ids.long()
+        mine = self.decode.weights.layers
+        saved = [(t, t[rows].clone()) for states in (pool.conv, pool.recurrent) for i, t in states.items() if i in mine]
+        device = tokens.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP):
+                self.decode(pool, *bufs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for t, snapshot in saved:
+            t[rows] = snapshot
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        r, hidden, k = tokens.shape[0], self.decode.spec.hidden_size, self.decode.spec.moe.top_k
+        dtype = self.decode.weights.layers[next(iter(self.decode.pools))]["router"].dtype
+        io = []  # per pooled layer: its host buffers (allocated before capture: pinned, fixed addresses)
+        for layer in self.decode.pools:
+            io.append([layer, _pinned((r, hidden), dtype), _pinned((r, k), torch.float32),  # routing weights: float32
+                       _pinned((r, k), torch.int32), _pinned((r, hidden), dtype), None, torch.cuda.Event()])
+        steps = self.decode.steps(pool, *bufs)
+        segments, out, share = [], None, None
+        while out is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
+                try:
+                    if share is None:
+                        ask = next(steps)
+                    else:  # the previous pool's share, uploaded from its pinned buffer, goes back into the window
+                        ask = steps.send(share.to(device, non_blocking=True))
+                    _, layer, x, weights, ids = ask
+                    slot = io[len(segments)]
+                    assert slot[0] == layer, (slot[0], layer)
+                    slot[1].copy_(x, non_blocking=True)
+                    if weights.dtype != slot[2].dtype or ids.dtype != slot[3].dtype:  # the pool must see what eager sees
+                        raise RuntimeError(f"routing weights {weights.dtype} / ids {ids.dtype}: expected float32 / int32")
+                    slot[2].copy_(weights, non_blocking=True)
+                    slot[3].copy_(ids, non_blocking=True)
+                    _, slot[5] = steps.send(None)  # the layer's resident experts, queued
+                    share = slot[4]
+                except StopIteration as done:
+                    out = done.value
+            segments.append(graph)
+        for t, snapshot in saved:  # the capture queued nothing that ran; restore anyway for symmetry
+            t[rows] = snapshot
+        return segments, bufs, [tuple(s) for s in io], out
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer pinned by registering it with CUDA, outside torch's caching host allocator (whose copies record
+    events on the stream, which a capturing stream refuses); unregistered when it is freed."""
+    t = torch.empty(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {size}-byte buffer failed ({err})")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t

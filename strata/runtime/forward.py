@@ -65,11 +65,13 @@ class Forward:
             from strata.kernels.gdn import causal_conv1d_triton, gated_delta_rule_chunked_triton
 
             self.prompt_gdn = (causal_conv1d_triton, gated_delta_rule_chunked_triton)
-            from strata.runtime.fast_decode import GraphedDecode, TritonDecode
+            from strata.runtime import fast_decode
 
-            self.fast = TritonDecode(spec, weights, self.inv_freq, self.pools)
-            if cuda_graphs and not self.pools:  # a window that waits for the CPU pool cannot be captured
-                self.fast = GraphedDecode(self.fast)
+            self.fast = fast_decode.TritonDecode(spec, weights, self.inv_freq, self.pools)
+            if cuda_graphs and not self.pools:
+                self.fast = fast_decode.GraphedDecode(self.fast)
+            elif cuda_graphs and fast_decode.POOL_GRAPHS:  # with CPU pools: a graph a stretch between two of them
+                self.fast = fast_decode.GraphedPooledDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weights.embed)  # [R, hidden]
