@@ -213,7 +213,11 @@ class EngineClient:
             except ValueError:
                 log.warning("engine: a RESTORED line that does not parse: %s", line)
         elif kind == "EXPERTS":
-            self.metrics.expert_pairs(_field(words, 1), _field(words, 2))
+            try:
+                seconds = float(words[3]) if len(words) > 3 else 0.0
+                self.metrics.expert_pairs(_field(words, 1), _field(words, 2), seconds, _field(words, 4))
+            except ValueError:
+                log.warning("engine: an EXPERTS line that does not parse: %s", line)
         elif kind == "SPEC":
             self.metrics.spec_totals([_field(words, k) for k in range(1, len(words))])
 

@@ -206,6 +206,16 @@ class _StrataCollector(Collector):
         for where, count in facts["expert_pairs"].items():
             pairs.add_metric(labels + [where], float(count))
         yield pairs
+        seconds = CounterMetricFamily("strata:expert_pool_seconds", "Host seconds the CPU expert pool spent computing "
+                                      "its pairs (per window: divide by vllm:iteration_tokens_total_count)",
+                                      labels=["model_name", "engine"])
+        seconds.add_metric(labels, float(facts["expert_pool"]["seconds"]))
+        yield seconds
+        read = CounterMetricFamily("strata:expert_pool_read_bytes", "Bytes of expert weights the CPU expert pool "
+                                   "read (each window reads each of its routed host experts once)",
+                                   labels=["model_name", "engine"])
+        read.add_metric(labels, float(facts["expert_pool"]["bytes"]))
+        yield read
         reused = CounterMetricFamily("strata:parked_reused_bytes", "Bytes of restored conversations' K/V cells that "
                                      "parking them again did not copy again (reuse on re-park)",
                                      labels=["model_name", "engine"])
@@ -238,6 +248,8 @@ class Metrics:
         self._reused_seen = 0  # the running engine's last total of them
         self._expert_pairs = {"device": 0, "cpu": 0}  # pooled layers' routed pairs, by where they ran, all engines
         self._expert_pairs_seen = (0, 0)  # the running engine's last EXPERTS totals
+        self._expert_pool = {"seconds": 0.0, "bytes": 0}  # the CPU pools' host seconds and expert bytes read, all engines
+        self._expert_pool_seen = (0.0, 0)
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._token_events: deque[list] = deque()  # [monotonic time, tokens] for live_tok_s
@@ -422,16 +434,22 @@ class Metrics:
         """A parked conversation restored from `tier` (ram or disk) in `seconds` (the engine's RESTORED event)."""
         self._restore_seconds.labels(self.model_name, ENGINE_INDEX, tier).observe(seconds)
 
-    def expert_pairs(self, on_device: int, on_cpu: int) -> None:
+    def expert_pairs(self, on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0) -> None:
         """The engine's EXPERTS running totals (pairs of its pooled layers computed on the device / by the CPU
-        pool); a total below the last one means a new engine process, which counts from 0."""
+        pool, the pools' host seconds and expert bytes read); a total below the last one means a new engine
+        process, which counts from 0."""
         with self._lock:
             last_device, last_cpu = self._expert_pairs_seen
-            if on_device < last_device or on_cpu < last_cpu:
-                last_device = last_cpu = 0
+            last_seconds, last_bytes = self._expert_pool_seen
+            if on_device < last_device or on_cpu < last_cpu or pool_seconds < last_seconds or pool_bytes < last_bytes:
+                last_device = last_cpu = last_bytes = 0
+                last_seconds = 0.0
             self._expert_pairs["device"] += on_device - last_device
             self._expert_pairs["cpu"] += on_cpu - last_cpu
+            self._expert_pool["seconds"] += pool_seconds - last_seconds
+            self._expert_pool["bytes"] += pool_bytes - last_bytes
             self._expert_pairs_seen = (on_device, on_cpu)
+            self._expert_pool_seen = (pool_seconds, pool_bytes)
 
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Increments (tokens looked up, tokens found) since the last call, not running totals."""
@@ -489,6 +507,7 @@ class Metrics:
                 "parked_disk_bytes": self._parked[3],
                 "parked_reused_bytes_total": self._reused_bytes,
                 "expert_pairs": dict(self._expert_pairs),
+                "expert_pool": dict(self._expert_pool),
                 "latency": {"ttft_s": _percentiles(self._ttft), "itl_s": _percentiles(self._itl),
                             "e2e_s": _percentiles(self._e2e)},
                 "history": list(reversed(self._history)),

@@ -239,8 +239,10 @@ def restored(seconds: float, num_tokens: int, tier: str) -> str:
     return f"RESTORED {seconds:.6f} {num_tokens} {tier}"
 
 
-def experts(on_device: int, on_cpu: int) -> str:
-    return f"EXPERTS {on_device} {on_cpu}"
+def experts(on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0) -> str:
+    """Running totals of the pooled layers' routed pairs (computed on the device / by the CPU pool), the pool's
+    host seconds and the bytes of expert weights it read."""
+    return f"EXPERTS {on_device} {on_cpu} {pool_seconds:.6f} {pool_bytes}"
 
 
 def spec_decode(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> str:

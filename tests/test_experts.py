@@ -186,10 +186,14 @@ def test_experts_events_report_where_the_pooled_pairs_ran(model):
     while sched.busy:
         sched.step()
     sched.step()  # idle: the last totals are said
-    said = [tuple(map(int, line.split()[1:])) for line in out if line.startswith("EXPERTS ")]
+    said = [tuple(map(int, line.split()[1:3])) for line in out if line.startswith("EXPERTS ")]
     total = sum(p.pairs_total for p in pools(pooled).values())
     on_cpu = sum(p.pairs_here for p in pools(pooled).values())
     assert said and said[-1] == (total - on_cpu, on_cpu)
+    seconds, read = out[max(i for i, line in enumerate(out) if line.startswith("EXPERTS "))].split()[3:]
+    busy = sum(p.busy_s for p in pools(pooled).values())
+    assert busy > 0 and float(seconds) == pytest.approx(busy, abs=1e-5)
+    assert int(read) == sum(p.experts_read * p.expert_bytes for p in pools(pooled).values()) > 0
     assert on_cpu > 0 and total - on_cpu > 0
     assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(said, said[1:]))  # running totals
     quiet: list[str] = []

@@ -240,7 +240,7 @@ def test_json_facts(three):
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
         "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes",
-        "parked_disk_conversations", "parked_disk_bytes", "parked_reused_bytes_total", "expert_pairs",
+        "parked_disk_conversations", "parked_disk_bytes", "parked_reused_bytes_total", "expert_pairs", "expert_pool",
         "gpu_util", "gpu_memory_used_bytes",
         "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"
@@ -384,9 +384,15 @@ def test_expert_pairs_counter_follows_the_engine_totals_across_restarts():
     from serve.metrics import Metrics
 
     m = Metrics("m", 128, 2)
-    for device, cpu in [(10, 4), (15, 6), (3, 1)]:  # the third comes from a restarted engine
-        m.expert_pairs(device, cpu)
+    for device, cpu, seconds, nbytes in [(10, 4, 0.5, 1000), (15, 6, 0.75, 1500), (3, 1, 0.25, 200)]:
+        m.expert_pairs(device, cpu, seconds, nbytes)  # the third comes from a restarted engine
     assert m.facts()["expert_pairs"] == {"device": 18, "cpu": 7}
+    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700}
     body, _ = m.render("text/plain", None)
     lines = [line for line in body.decode().splitlines() if line.startswith("strata:expert_pairs_total")]
     assert 'where="device"} 18.0' in lines[0] and 'where="cpu"} 7.0' in lines[1]
+    text = body.decode()
+    assert 'strata:expert_pool_seconds_total{engine="0",model_name="m"} 1.0' in text
+    assert 'strata:expert_pool_read_bytes_total{engine="0",model_name="m"} 1700.0' in text
+    m.expert_pairs(20, 9)  # an older engine's EXPERTS line, without the pool's fields: they stay where they were
+    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700}

@@ -188,8 +188,8 @@ class Scheduler:
                 self.emit(protocol.end(rid, e.finish_reason, slot.num_prompt, len(slot.generated), slot.num_reused))
 
     def _report_experts(self) -> None:
-        """Say EXPERTS (running totals of the pooled layers' routed pairs, computed on the device / on the CPU)
-        when they changed: at most once a second while windows run, and once more when the engine goes idle."""
+        """Say EXPERTS (running totals of the pooled layers' routed pairs, computed on the device / on the CPU,
+        the pools' host seconds and the expert bytes they read) when they changed: at most once a second while windows run, and once more when the engine goes idle."""
         if not self._pools:
             return
         total = sum(p.pairs_total for p in self._pools)
@@ -198,7 +198,9 @@ class Scheduler:
         now = time.monotonic()
         if counts != self._expert_pairs and (now - self._experts_said >= 1.0 or not self.busy):
             self._expert_pairs, self._experts_said = counts, now
-            self.emit(protocol.experts(*counts))
+            seconds = sum(p.busy_s for p in self._pools)
+            read = sum(p.experts_read * p.expert_bytes for p in self._pools)
+            self.emit(protocol.experts(*counts, seconds, read))
 
     def _report_spec(self) -> None:
         """Say SPEC (running totals of drafts and accepted tokens) after a window whose slots drafted."""
