@@ -14,6 +14,10 @@ and the rate the pool read the weights at (bytes / its time), and the
 PCIe upload rate (pinned, 256 MB) for `--pcie-frac` to come.
 
     python bench/experts.py --shape qwen3-30b-a3b --layers 8 --resident 1,0.5,0.25,0.1 --rows 1,8
+    python bench/experts.py --layers 8 --resident 0.5,0.25 --rows 8 --skew 2 --settle 256 --expert-residency hot
+
+The last column is the share of the pooled layers' (row, expert) pairs computed on the GPU (the resident set's hit
+rate): with `--skew` (a few hot experts, as trained routers have) compare `--expert-residency fixed` and `hot`.
 """
 
 from __future__ import annotations
@@ -65,20 +69,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(engine, rows: int, tokens: int, prompt_len: int) -> dict[str, float]:
-    """Decode `tokens` tokens for `rows` conversations (prompts read before the clock starts): tok/s, and per
-    window the CPU pools' host seconds and the bytes of the experts they read."""
+def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) -> dict[str, float]:
+    """Decode `tokens` tokens for `rows` conversations (prompts read, and `settle` windows run with hot residency's
+    refreshes, before the clock starts): tok/s, and per window the CPU pools' host seconds and the bytes of the
+    experts they read, and the share of the pooled layers' pairs computed on the device."""
+    from strata.experts.hotness import REFRESH_WINDOWS
+
     pools = [p for stage in engine.stages for p in stage.forward.pools.values()]
     windows = [0]
     slots = engine.init_slots(rows)
     vocab = engine.spec.vocab_size
     for i in range(rows):
-        slots.admit_now(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + 8,
+        slots.admit_now(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], tokens + settle + 8,
                         stop_ids=frozenset())
-    for _ in range(3):
+    for k in range(3 + settle):
         slots.step()
+        if (k + 1) % REFRESH_WINDOWS == 0:
+            engine.refresh_experts()  # as the scheduler does (a fixed engine: nothing)
     sync(engine.device)
     before = [(p.busy_s, p.experts_read) for p in pools]
+    pairs = [(p.pairs_here, p.pairs_total) for p in pools]
     waited = sum(p.wait_s for p in pools)
     start = time.perf_counter()
     produced = 0
@@ -90,8 +100,23 @@ def measure(engine, rows: int, tokens: int, prompt_len: int) -> dict[str, float]
     slots.flush()
     busy = sum(p.busy_s - b for p, (b, _) in zip(pools, before))
     read = sum((p.experts_read - n) * p.expert_bytes for p, (_, n) in zip(pools, before))
+    here = sum(p.pairs_here - a for p, (a, _) in zip(pools, pairs))
+    total = sum(p.pairs_total - b for p, (_, b) in zip(pools, pairs))
     return {"tps": produced / elapsed, "window_s": elapsed / windows[0], "pool_s": busy / windows[0],
+            "hit": 1 - here / total if total else 1.0,
             "pool_bytes": read / windows[0], "wait_s": (sum(p.wait_s for p in pools) - waited) / windows[0]}
+
+
+def skewed(weights, spec, factor: float):
+    """Random weights whose routers pick an eighth of the experts (the highest ids) more often: those experts'
+    router rows scaled by `factor` (a wider spread of their logits puts them in the top-k more often), as trained
+    routers have hot experts. 1: unchanged."""
+    if factor != 1.0:
+        e = spec.moe.num_experts
+        for w in weights.layers.values():
+            if "router" in w:
+                w["router"][e - e // 8 :] *= factor
+    return weights
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--pool-graphs", action="store_true", help="replay pooled windows from segment graphs "
                    "(STRATA_POOL_GRAPHS=1: `GraphedPooledDecode`)")
+    p.add_argument("--expert-residency", default="fixed", choices=("fixed", "hot"))
+    p.add_argument("--skew", type=float, default=1.0, help="make an eighth of each layer's experts (the highest ids, "
+                   "in host RAM under the fixed choice) hot: their router rows scaled by this (>1: routed more often)")
+    p.add_argument("--settle", type=int, default=0, help="windows run before the clock starts (hot residency's "
+                   "refreshes happen every 64)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     args = p.parse_args(argv)
@@ -130,15 +160,17 @@ def main(argv: list[str] | None = None) -> None:
     pcie = f"; PCIe upload {pcie_gbps(device):.1f} GB/s" if device.type == "cuda" else ""
     print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
     print(f"{'resident':>8} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
-          f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9}")
+          f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9} {'on device':>9}")
     full: dict[int, float] = {}
     for share in (float(x) for x in args.resident.split(",")):
         budget = [share * all_experts_gb] if share < 1 else None
         engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=args.prompt_len + args.tokens + 64,
                         spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads,
-                        weights=lambda layers, dev, trim: random_stage_weights(spec, layers, dev, torch.bfloat16))
+                        expert_residency=args.expert_residency,
+                        weights=lambda layers, dev, trim: skewed(random_stage_weights(spec, layers, dev, torch.bfloat16),
+                                                                 spec, args.skew))
         for rows in (int(x) for x in args.rows.split(",")):
-            m = measure(engine, rows, args.tokens, args.prompt_len)
+            m = measure(engine, rows, args.tokens, args.prompt_len, args.settle)
             if share >= 1:
                 full[rows] = m["window_s"]
             floor = full.get(rows, float("nan")) + m["pool_bytes"] / (host_bw * 1e9)
@@ -146,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             pool_rate = m["pool_bytes"] / m["pool_s"] / 1e9 if m["pool_s"] else float("nan")
             print(f"{share:>8.0%} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
                   f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
-                  f"{pool_rate:>9.1f}", flush=True)
+                  f"{pool_rate:>9.1f} {m['hit']:>9.1%}", flush=True)
         del engine
         torch.cuda.empty_cache()
 

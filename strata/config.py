@@ -95,6 +95,10 @@ class EngineSettings(StrataSettings):
         None, description="GB of routed experts each card keeps resident, per stage (e.g. 10,10,12,12)"
     )
     cpu_threads: int | None = Field(None, ge=1, description="threads of the CPU pool that computes offloaded experts")
+    expert_residency: Literal["fixed", "hot"] = Field(
+        "fixed", description="which routed experts stay on the device with --expert-budget-gb: fixed (the lowest ids: "
+        "every run repeats exactly) or hot (the most routed ones, swapped in as traffic changes)"
+    )
     park_gb: float | None = Field(
         None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
     )
@@ -187,6 +191,7 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
+                    expert_residency=self.expert_residency,
                     lookahead=self.lookahead, checkpoint_every=self.checkpoint_every, speculative=parse_spec(
                         self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
                         if self.spec_max_active is None else self.spec_max_active))

@@ -350,3 +350,61 @@ def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
     pool_pairs = sum(int(j) in here for j in ids.reshape(-1))
     assert pool.pairs_here == 2 * pool_pairs and pool.pairs_total == 2 * rows * k  # batched, then row by row
     assert pool.experts_read >= len({int(j) for j in ids.reshape(-1)} & set(here)) and pool.busy_s > 0
+
+
+def test_hot_residency_moves_the_most_routed_experts_to_the_device(model):
+    """`--expert-residency hot`: after traffic made the host experts the most routed, refreshes swap them onto the
+    device, moving every weight with its expert (against the all-resident engine's tensors), each expert held in
+    exactly one place; the answers stay the all-resident ones, batched equal to solo."""
+    from strata.experts import hotness
+
+    hot = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)], expert_residency="hot")
+    e = model.spec.moe.num_experts
+    layers = pools(hot)
+    for pool in layers.values():
+        assert not pool.packed
+        pool.counts.zero_()
+        pool.counts[torch.nonzero(pool.index < pool.num_here).squeeze(1)] = 100.0  # the host experts: hottest
+    swapped = 0
+    while (step := hot.refresh_experts()) > 0:
+        swapped += step
+    stage_weights = {i: w for s in hot.stages for i, w in s.weights.layers.items()}
+    full = model.full.weights.layers
+    for i, pool in layers.items():
+        w = stage_weights[i]
+        m = w["experts_gate_up"].shape[0]
+        slots = w["expert_slot"].long()
+        on_device = {g for g in range(e) if slots[g] < m}
+        on_host = {g for g in range(e) if pool.index[g] < pool.num_here}
+        assert on_device.isdisjoint(on_host) and on_device | on_host == set(range(e))
+        assert on_device == set(range(e // 2, e))  # the former host experts, all of them (the resident set's size)
+        for g in range(e):
+            gate_up, down = ((w["experts_gate_up"][slots[g]], w["experts_down"][slots[g]]) if g in on_device else
+                             (pool.gate_up[pool.index[g]], pool.down[pool.index[g]]))
+            assert torch.equal(gate_up, full[i]["experts_gate_up"][g]) and torch.equal(down, full[i]["experts_down"][g])
+        assert pool.swaps == e // 2 and int(pool.counts.max()) < 100  # halved at each refresh
+    assert swapped == len(layers) * (e // 2) and hot.refresh_experts() == 0
+    solo = [hot.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
+    assert solo == model.solo and batched(hot) == solo
+    with pytest.raises(StrataError, match="--expert-residency 'busy'"):
+        Engine(model.files, max_cells=64, expert_residency="busy")
+    assert hotness.MODES == ("fixed", "hot")
+
+
+def test_hot_residency_refreshes_between_windows(model, monkeypatch):
+    """The scheduler refreshes a hot engine's resident experts every REFRESH_WINDOWS windows from the pools' own
+    routing counts (which count every routed pair), and never a fixed one's."""
+    from strata.runtime import scheduler
+
+    monkeypatch.setattr(scheduler, "REFRESH_WINDOWS", 2)
+    for mode, refreshes in (("hot", True), ("fixed", False)):
+        engine = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)], expert_residency=mode)
+        calls = []
+        real = engine.refresh_experts
+        monkeypatch.setattr(engine, "refresh_experts", lambda: calls.append(1) or real())
+        answers = batched(engine, 4)
+        assert bool(calls) == refreshes
+        for pool in pools(engine).values():  # every routed pair counted (halved at each refresh when hot)
+            assert 0 < pool.counts.sum() <= pool.pairs_total and (mode == "hot" or pool.counts.sum() == pool.pairs_total)
+        if mode == "hot":
+            assert len(answers) == 4 and all(len(a) == NEW for a in answers)

@@ -56,6 +56,18 @@ class ExpertPool:
         self.experts_read = 0  # experts whose weights the pool read, summed over windows (bytes: x `expert_bytes`)
         self.busy_s = 0.0  # host seconds in `compute`
         self.wait_s = 0.0  # host seconds waiting for a window's rows to arrive from the device
+        self.counts = torch.zeros(num_experts, dtype=torch.float64)  # routed pairs per global id (`hotness`)
+        self.swaps = 0  # experts swapped with the device's resident set so far (`hotness.refresh_layer`)
+
+    def put(self, j: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Host slot `j` now holds global expert `expert` (whose id was not here), in place of the one it held."""
+        if self.packed:
+            raise ValueError("a packed pool's experts cannot be swapped (hot residency keeps the plain layout)")
+        self.gate_up[j].copy_(gate_up)
+        self.down[j].copy_(down)
+        left = int(torch.nonzero(self.index == j)[0])
+        self.index[left] = self.num_here
+        self.index[expert] = j
 
     @property
     def expert_bytes(self) -> int:
@@ -78,7 +90,9 @@ class ExpertPool:
     def _compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, rows) -> torch.Tensor:
         r, k = ids.shape
         out = torch.zeros(r, x.shape[1], dtype=torch.float32)
-        flat = self.index[ids.reshape(-1).long()]  # [R*k] index here, or num_here
+        routed = ids.reshape(-1).long()
+        self.counts += torch.bincount(routed, minlength=self.counts.numel()).double()
+        flat = self.index[routed]  # [R*k] index here, or num_here
         pairs = torch.nonzero(flat < self.num_here).squeeze(1)  # [P'] pair ids (row * k + choice), ascending
         self.pairs_total += r * k
         self.pairs_here += int(pairs.numel())
@@ -143,6 +157,6 @@ def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
     return buf
 
 
-def stage_pools(offloaded: dict[int, Tensors], num_experts: int) -> dict[int, ExpertPool]:
+def stage_pools(offloaded: dict[int, Tensors], num_experts: int, pack: bool | None = None) -> dict[int, ExpertPool]:
     """The pools of a stage's layers that keep some experts in host RAM (`StageWeights.offloaded`)."""
-    return {i: ExpertPool(t, num_experts) for i, t in offloaded.items()}
+    return {i: ExpertPool(t, num_experts, pack) for i, t in offloaded.items()}

@@ -24,7 +24,7 @@ class Forward:
     """Runs a stage's layers over windows. Holds no per-sequence state: that lives in the window's segments."""
 
     def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype,
-                 kernels: str = "torch", cuda_graphs: bool = False):
+                 kernels: str = "torch", cuda_graphs: bool = False, pack_pools: bool | None = None):
         """kernels: "torch" runs the reference ops everywhere; "triton" runs decode windows on the Triton kernels
         (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`, and prompt windows' attention, MoE and GDN
         (conv + chunked delta rule) blocks on the Triton prefill kernels (the projections stay on torch's GEMMs,
@@ -37,7 +37,8 @@ class Forward:
         self.mtp: Tensors | None = None  # the multi-token-prediction layer (`set_mtp`), on the last stage
         self.hidden: torch.Tensor | None = None  # with `mtp`: the last window's final hidden states, every row
         self._hidden_parts: list[torch.Tensor] = []
-        self.pools = stage_pools(weights.offloaded, spec.moe.num_experts) if weights.offloaded else {}  # CPU experts
+        # the CPU expert pools (`pack_pools`: their weights' layout, `ExpertPool`)
+        self.pools = stage_pools(weights.offloaded, spec.moe.num_experts, pack_pools) if weights.offloaded else {}
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
         self.add_norm = None  # residual add + norm in one pass for prompt windows (None: the add, then self.norm)

@@ -14,6 +14,7 @@ import torch
 from strata.runtime.drafts import SpeculativeConfig
 from strata.errors import PromptTooLong, StrataError
 from strata.experts.budget import check_expert_budget, set_pool_threads
+from strata.experts.hotness import MODES, refresh_layer
 from strata.experts.residency import place_experts, residency_by_device
 from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
@@ -47,13 +48,17 @@ class Engine:
                  layer_split: str | None = None, split_device: str | None = None, batch_groups: int = 1,
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
                  park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
-                 checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None):
+                 checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None,
+                 expert_residency: str = "fixed"):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
         `park_dir`, `park_disk_gb`: a folder where they are also written, and its budget (`strata.state.park_disk`;
         None: no disk tier), found again by a later engine.
         `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
         state before each prompt's last token is always kept); None turns checkpoints off."""
+        if expert_residency not in MODES:
+            raise StrataError(f"--expert-residency {expert_residency!r}: expected one of {', '.join(MODES)}")
+        self.expert_residency_mode = expert_residency  # "hot": `refresh_experts` follows the traffic
         self.files = files
         self.spec = files.spec if files is not None else spec
         self.tokenizer = files.tokenizer if files is not None else None
@@ -107,7 +112,9 @@ class Engine:
             else:
                 w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
-            stages.append(Stage(k, layers, stage_device, w, Forward(self.spec, w, stage_device, dtype, kernels, graphs),
+            forward = Forward(self.spec, w, stage_device, dtype, kernels, graphs,
+                              pack_pools=False if expert_residency == "hot" else None)  # swapped experts: plain
+            stages.append(Stage(k, layers, stage_device, w, forward,
                                 ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))
         self.pipeline = Pipeline(stages)
         self.mtp = speculative is not None and speculative.method == "mtp"  # MTP drafts: its K/V cells in the pools
@@ -161,6 +168,14 @@ class Engine:
     @property
     def stages(self) -> list[Stage]:
         return self.pipeline.stages
+
+    def refresh_experts(self) -> int:
+        """With `--expert-residency hot`: each pooled layer's resident set moves toward its most routed experts
+        (`strata.experts.hotness`); the number of experts swapped. Call it between windows."""
+        if self.expert_residency_mode != "hot":
+            return 0
+        return sum(refresh_layer(stage.weights.layers[i], pool) for stage in self.stages
+                   for i, pool in stage.forward.pools.items())
 
     def expert_residency(self) -> dict[str, float]:
         """Per device ("cuda:0", "cpu"): the share of its stages' routed experts held on it (1.0 when all are, and

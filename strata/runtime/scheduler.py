@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from strata import protocol
+from strata.experts.hotness import REFRESH_WINDOWS
 from strata.errors import StrataError
 from strata.protocol import Abort, Add, ProtocolError, Quit, Request
 from strata.runtime.generate import Engine
@@ -46,6 +47,7 @@ class Scheduler:
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
         self._spec_said = 0  # the drafts the last SPEC event reported
+        self._windows_since_refresh = 0  # --expert-residency hot: windows since the resident experts were refreshed
 
     @property
     def busy(self) -> bool:
@@ -97,6 +99,7 @@ class Scheduler:
             self._fail_running(f"internal error in a window: {type(e).__name__}: {e}")
             return
         self._emit_events(events)
+        self._refresh_experts()
         self._report_experts()
         self._report_spec()
         if self.engine.parking.disk is not None:  # its files are written in the background
@@ -186,6 +189,19 @@ class Scheduler:
                 self.owner[e.slot] = None
                 del self.running[rid]
                 self.emit(protocol.end(rid, e.finish_reason, slot.num_prompt, len(slot.generated), slot.num_reused))
+
+    def _refresh_experts(self) -> None:
+        """With `--expert-residency hot`, every `REFRESH_WINDOWS` windows: the pooled layers' resident experts move
+        toward the most routed ones (`Engine.refresh_experts`). Between windows of one slot group only: pipelined
+        groups run stages on their workers meanwhile."""
+        if not self._pools or self.engine.expert_residency_mode != "hot" or len(self.slots.groups) > 1:
+            return
+        self._windows_since_refresh += 1
+        if self._windows_since_refresh >= REFRESH_WINDOWS:
+            self._windows_since_refresh = 0
+            swapped = self.engine.refresh_experts()
+            if swapped:
+                log.info("hot residency: %d experts swapped with the device's resident sets", swapped)
 
     def _report_experts(self) -> None:
         """Say EXPERTS (running totals of the pooled layers' routed pairs, computed on the device / on the CPU,
