@@ -87,6 +87,8 @@ def test_a_short_prompt_chunk_runs_with_the_decode_rows(engines):
     reference, fast = engines
     gdn = bool(fast.spec.gdn_layers())
     slots = fast.init_slots(2)
+    assert slots.short_chunk_rows == 0  # on a GPU only (where the decode part is a graph replay): turned on here
+    slots.short_chunk_rows = SHORT_CHUNK_ROWS
     slots.admit_now(0, prompt(1), NEW)
     state, chunk = slots.slots[1].state, prompt(3)  # 13 tokens
     assert len(chunk) <= SHORT_CHUNK_ROWS

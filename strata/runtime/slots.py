@@ -142,6 +142,9 @@ class Slots:
         bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
         self.budget = engine.max_window_tokens
+        # rows of short prompt chunks a window runs with its decode rows (`_short_chunks`): on a GPU, where that
+        # part is a graph replay; elsewhere the prompt kernels cost no more (and Triton's interpreter far less)
+        self.short_chunk_rows = SHORT_CHUNK_ROWS if engine.device.type == "cuda" else 0
         largest = max(len(g) for g in self.groups)
         if self.budget < largest:
             raise StrataError(f"--max-window-tokens {self.budget} is below the {largest} slots of a group (--batch "
@@ -419,12 +422,12 @@ class Slots:
 
     def _short_chunks(self, chunks: list[tuple[int, list[int]]]) -> set[int]:
         """The slots whose prompt chunk runs with the decode rows, a row per position (`Window.build`'s `apart`):
-        chunks of 2 to `SHORT_CHUNK_ROWS` rows, at most that many rows in all, on the Triton decode kernels (the
+        chunks of 2 to `short_chunk_rows` rows, at most that many rows in all, on the Triton decode kernels (the
         torch reference runs the decode rows one segment at a time) and of models without GDN layers (their decode
         step takes one row per sequence)."""
-        if self.engine.kernels != "triton" or self.engine.spec.gdn_layers():
+        if self.engine.kernels != "triton" or self.engine.spec.gdn_layers() or not self.short_chunk_rows:
             return set()
-        short, room = set(), SHORT_CHUNK_ROWS
+        short, room = set(), self.short_chunk_rows
         for i, ids in chunks:
             if 1 < len(ids) <= room:
                 short.add(i)

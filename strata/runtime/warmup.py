@@ -6,7 +6,8 @@ on first use. Either costs from milliseconds to seconds, and must not fall on a 
 `READY` the engine runs, on its own idle slots:
 
 1. a decode window of every row count a group can hold (1 .. the largest group; with `--spec` ngram:K up to
-   (1 + K) rows a slot; plus the rows of short prompt chunks, `SHORT_CHUNK_ROWS`, on models without GDN layers;
+   (1 + K) rows a slot; plus the rows of short prompt chunks, `Slots.short_chunk_rows` (on a GPU), on models
+   without GDN layers;
    within the budget), which captures its graph;
 2. prompt windows of the chunk sizes a window can hold (every size up to 64 rows, then every 8th, and the
    budget less each possible count of decoding rows), read one after another so later chunks start past position
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 
 from strata.runtime.sampling import SamplingParams, sample, token_counts
-from strata.runtime.slots import SHORT_CHUNK_ROWS, Slots
+from strata.runtime.slots import Slots
 from strata.runtime.window import Window
 
 log = logging.getLogger("strata.engine")
@@ -95,7 +96,7 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
     disk, engine.parking.disk = engine.parking.disk, None  # parked files (--park-dir): not read or written here
     largest = max(len(g) for g in slots.groups)
     drafts = engine.speculative.num_speculative_tokens if engine.speculative else 0
-    short = 0 if engine.spec.gdn_layers() else SHORT_CHUNK_ROWS  # short prompt chunks run with the decode rows
+    short = 0 if engine.spec.gdn_layers() else slots.short_chunk_rows  # short prompt chunks join the decode rows
     rows = list(range(1, min(largest * (1 + drafts) + short, slots.budget) + 1))  # drafting slots add rows too
     sizes = prompt_sizes(min(slots.budget, engine.max_cells - 1), largest)
     counts = sample_counts(rows[-1])
