@@ -89,7 +89,7 @@ def test_a_short_prompt_chunk_runs_with_the_decode_rows(engines):
     slots = fast.init_slots(2)
     assert slots.short_chunk_rows == 0  # on a GPU only (where the decode part is a graph replay): turned on here
     slots.short_chunk_rows = SHORT_CHUNK_ROWS
-    slots.admit_now(0, prompt(1), NEW)
+    slots.admit_now(0, prompt(1), 4)  # few tokens: the interpreter is slow
     state, chunk = slots.slots[1].state, prompt(3)  # 13 tokens
     assert len(chunk) <= SHORT_CHUNK_ROWS
     parts = [(slots.slots[0].state, [slots.slots[0].next_token], False)]
@@ -100,13 +100,13 @@ def test_a_short_prompt_chunk_runs_with_the_decode_rows(engines):
         mixed = fast.forward(window)
         assert mixed.shape[0] == 2 and torch.equal(mixed[:1], alone)
     state.reset()
-    slots.admit(1, chunk, NEW, stop_ids=frozenset())
+    slots.admit(1, chunk, 4, stop_ids=frozenset())
     sw = slots.run_slots()
     assert sw.window.is_decode != gdn  # the chunk beside slot 0's row: in the decode part without GDN layers
     got = [e.token for e in slots.commit_slots(sw) if e.slot == 1]
     while slots.active:
         got += [e.token for e in slots.commit_slots(slots.run_slots()) if e.slot == 1]
-    assert got == reference.generate(chunk, NEW, stop_ids=frozenset()).ids
+    assert got == reference.generate(chunk, 4, stop_ids=frozenset()).ids
 
 
 def test_triton_decode_through_two_stages(engines):
