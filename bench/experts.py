@@ -119,6 +119,57 @@ def skewed(weights, spec, factor: float):
     return weights
 
 
+def decode_tokens(engine, rows: int, tokens: int, prompt_len: int, together: bool = True) -> list[list[int]]:
+    """Greedy tokens of `rows` conversations decoding together, and of the first one alone (its list last, its
+    prompt read alone)."""
+    vocab = engine.spec.vocab_size
+    prompts = [[(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len + i)] for i in range(rows)]
+    slots = engine.init_slots(rows)
+    got: list[list[int]] = [[] for _ in range(rows)]
+    for i in range(rows):
+        if together:  # the prompts read in shared windows
+            slots.admit(i, prompts[i], tokens, stop_ids=frozenset())
+        else:  # each prompt read alone, then the decode rows together
+            got[i].append(slots.admit_now(i, prompts[i], tokens, stop_ids=frozenset()).token)
+    for e in _run(slots):
+        got[e.slot].append(e.token)
+    alone = engine.init_slots(1)  # a fresh slot: nothing of the runs before is reused (parking is off here)
+    first = alone.admit_now(0, prompts[0], tokens, stop_ids=frozenset()).token
+    solo = [first] + [e.token for e in _run(alone)]
+    return got + [solo]
+
+
+def _run(slots):
+    while slots.active or slots.in_flight:
+        yield from slots.step()
+
+
+def check(make_engine, rows: int, tokens: int, prompt_len: int) -> bool:
+    """Greedy outputs with the stage's windows eager and replayed from segment graphs (`GraphedPooledDecode`):
+    batched == solo within each (the prompts read in shared windows, and each alone), and token for token the
+    same across the two."""
+    from strata.runtime import fast_decode
+
+    runs = {}
+    for graphs in (False, True):
+        fast_decode.POOL_GRAPHS = graphs
+        engine = make_engine()
+        for together in (True, False):
+            runs[graphs, together] = decode_tokens(engine, rows, tokens, prompt_len, together)
+        del engine
+        torch.cuda.empty_cache()
+    ok = True
+    for (graphs, together), got in runs.items():
+        solo_ok = got[0] == got[-1]
+        ok &= solo_ok or together  # prompts read beside others may round otherwise (docs/BATCHING.md): not held
+        where = "" if solo_ok else f" (from token {next(i for i, (a, b) in enumerate(zip(got[0], got[-1])) if a != b)})"
+        print(f"check: {'segment graphs' if graphs else 'eager'}, prompts read {'together' if together else 'alone'}: "
+              f"first conversation batched == solo: {solo_ok}{where}")
+    same = runs[False, True] == runs[True, True] and runs[False, False] == runs[True, False]
+    print(f"check: eager == segment graphs, {rows} conversations x {tokens} tokens: {same}")
+    return ok and same
+
+
 def main(argv: list[str] | None = None) -> None:
     from shapes import shape
 
@@ -133,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8", help="decoding conversations")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--pool-graphs", action="store_true", help="replay pooled windows from segment graphs "
-                   "(STRATA_POOL_GRAPHS=1: `GraphedPooledDecode`)")
+    p.add_argument("--eager", action="store_true", help="run pooled decode windows eagerly, not from segment graphs "
+                   "(STRATA_POOL_GRAPHS=0; the default replays them: `GraphedPooledDecode`)")
     p.add_argument("--expert-residency", default="fixed", choices=("fixed", "hot"))
     p.add_argument("--skew", type=float, default=1.0, help="make an eighth of each layer's experts (the highest ids, "
                    "in host RAM under the fixed choice) hot: their router rows scaled by this (>1: routed more often)")
@@ -142,11 +193,14 @@ def main(argv: list[str] | None = None) -> None:
                    "refreshes happen every 64)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
+    p.add_argument("--prompt-read", type=int, default=0, help="also time one prompt of this many tokens read")
+    p.add_argument("--check", action="store_true", help="first check greedy outputs at each resident share: eager "
+                   "== segment graphs, batched == solo (exit 1 if not)")
     args = p.parse_args(argv)
-    if args.pool_graphs:
+    if args.eager:
         from strata.runtime import fast_decode
 
-        fast_decode.POOL_GRAPHS = True
+        fast_decode.POOL_GRAPHS = False
     spec = shape(args.shape, args.layers)
     device = torch.device(args.device)
     threads = args.cpu_threads or torch.get_num_threads()
@@ -161,14 +215,37 @@ def main(argv: list[str] | None = None) -> None:
     print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
     print(f"{'resident':>8} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
           f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9} {'on device':>9}")
+    def make_engine(share: float) -> Engine:
+        budget = [share * all_experts_gb] if share < 1 else None
+        return Engine(None, device=device, dtype=torch.bfloat16, max_cells=max(args.prompt_len + args.tokens + args.settle, args.prompt_read) + 96,
+                      spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads, park_gb=0,
+                      expert_residency=args.expert_residency,
+                      weights=lambda layers, dev, trim: skewed(random_stage_weights(spec, layers, dev, torch.bfloat16),
+                                                               spec, args.skew))
+
+    if args.check:
+        from strata.runtime import fast_decode
+
+        graphs = fast_decode.POOL_GRAPHS
+        good = all([check(lambda: make_engine(share), 8, args.tokens, args.prompt_len)
+                    for share in (float(x) for x in args.resident.split(","))])
+        fast_decode.POOL_GRAPHS = graphs
+        if not good:
+            sys.exit(1)
     full: dict[int, float] = {}
     for share in (float(x) for x in args.resident.split(",")):
-        budget = [share * all_experts_gb] if share < 1 else None
-        engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=args.prompt_len + args.tokens + 64,
-                        spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads,
-                        expert_residency=args.expert_residency,
-                        weights=lambda layers, dev, trim: skewed(random_stage_weights(spec, layers, dev, torch.bfloat16),
-                                                                 spec, args.skew))
+        engine = make_engine(share)
+        if args.prompt_read:
+            prompt = [(11 + 13 * j) % spec.vocab_size for j in range(args.prompt_read)]
+            times = []
+            for k in range(3):
+                sync(device)
+                start = time.perf_counter()
+                engine.generate([k + 1] + prompt, 1, stop_ids=frozenset())  # another first token: nothing reused
+                sync(device)
+                times.append(time.perf_counter() - start)
+            print(f"{share:>8.0%} prompt of {args.prompt_read} tokens read in {min(times) * 1e3:.1f} ms "
+                  f"({args.prompt_read / min(times):.0f} tok/s)", flush=True)
         for rows in (int(x) for x in args.rows.split(",")):
             m = measure(engine, rows, args.tokens, args.prompt_len, args.settle)
             if share >= 1:

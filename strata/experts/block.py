@@ -14,14 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from strata.experts.pool import ExpertPool
-from strata.kernels.invariant import in_row_blocks, plain
+from strata.kernels.invariant import in_blocks_of, in_row_blocks, plain
 from strata.kernels.linear import linear_triton
 from strata.kernels.moe import (PROMPT_TILES, add_shared_expert, decode_tiles, fused_experts_triton, route,
                                 route_triton, routed_experts, swiglu)
 from strata.model.spec import MoESpec
 
 Tensors = dict[str, torch.Tensor]
-KERNELS = ("torch", "prompt", "decode")  # torch references / Triton with prompt tiles / Triton decode tiles
+KERNELS = ("torch", "prompt", "decode")
+# A GPU stage's pool computes a prompt window's pairs of an expert in blocks of this many rows (zero-padded), so a
+# prompt's rows give the same bits read alone or beside other prompts (bench/experts.py prints what it costs)
+PROMPT_POOL_ROWS = in_blocks_of(64)  # torch references / Triton with prompt tiles / Triton decode tiles
 
 
 def pooled_moe(x: torch.Tensor, w: Tensors, m: MoESpec, pool: ExpertPool, rows=plain, kernels: str = "torch") -> torch.Tensor:
@@ -57,7 +60,8 @@ def pooled_moe_steps(x: torch.Tensor, w: Tensors, m: MoESpec, rows=plain, kernel
         weights, ids = route_triton(linear(x, w["router"]), m.top_k, m.norm_topk)
         run_linear = linear
         run_swiglu = lambda *a: swiglu(*a, linear=linear)  # noqa: E731
-        cpu_rows = in_row_blocks if kernels == "decode" else plain
+        # the device's kernels are row-invariant in prompt windows too: so are the pool's products, in fixed blocks
+        cpu_rows = in_row_blocks if kernels == "decode" else PROMPT_POOL_ROWS
     yield "start", x, weights, ids
     gate_up, down = w["experts_gate_up"], w["experts_down"]
     slots = w["expert_slot"][ids.long()]  # [R, k] resident slot, or M: computed by the pool, skipped here

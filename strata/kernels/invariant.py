@@ -89,6 +89,20 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return in_row_blocks(F.linear, x, weight, bias)
 
 
+def in_blocks_of(block: int) -> Callable[..., torch.Tensor]:
+    """`in_row_blocks` with a fixed block of `block` rows on every device: the CPU expert pool's prompt rows beside
+    a GPU stage's row-invariant prompt kernels (a library's product of M rows may sum a row differently by M)."""
+
+    def rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        n = x.shape[0]
+        if n % block:
+            x = torch.cat([x, x.new_zeros(block - n % block, *x.shape[1:])])
+        outs = [fn(b, *args, **kwargs) for b in x.split(block)]
+        return torch.cat(outs)[:n] if len(outs) > 1 else outs[0][:n]
+
+    return rows
+
+
 def plain(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The prompt-window counterpart of `in_row_blocks`: fn over all rows at once."""
     return fn(x, *args, **kwargs)

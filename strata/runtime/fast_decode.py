@@ -35,10 +35,10 @@ from strata.runtime.forward import split_qkv
 from strata.state.session import StatePool
 
 log = logging.getLogger("strata.engine")
-# Replay pooled stages' decode windows from segment graphs (`GraphedPooledDecode`). Off by default until its output
-# is checked bitwise against the eager path on a GPU (bench/decode.py's invariance check with --expert-budget-gb);
-# bench/experts.py --pool-graphs measures it.
-POOL_GRAPHS = os.environ.get("STRATA_POOL_GRAPHS") == "1"
+# Replay pooled stages' decode windows from segment graphs (`GraphedPooledDecode`): on by default since their
+# greedy output was checked token for token against the eager path on the H200 (bench/experts.py --check, 25 and
+# 50 % resident); STRATA_POOL_GRAPHS=0 runs them eagerly.
+POOL_GRAPHS = os.environ.get("STRATA_POOL_GRAPHS", "1") != "0"
 
 
 class TritonDecode:
