@@ -7,7 +7,7 @@ import torch
 
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
-from tests.tiny_models import CASES, VOCAB, add_mtp_weights, build
+from tests.tiny_models import ALL_CASES, VOCAB, add_mtp_weights, build
 
 NEW_TOKENS = 40
 PROMPTS = {
@@ -16,7 +16,7 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(ALL_CASES))
 def case(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name)

@@ -37,6 +37,14 @@ CASES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(HYBRID, intermediate_size=96)),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", None),
 }
+# families tested against transformers in tests/test_families.py (and RoPE scaling) but not in every batch test:
+# Qwen3 dense is Llama's layer with q/k norms, which the MoE cases run
+MORE_CASES = {
+    "qwen3-dense": ("Qwen3Config", "Qwen3ForCausalLM",
+                    dict(COMMON, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         tie_word_embeddings=True, rope_theta=1000000.0)),
+}
+ALL_CASES = {**CASES, **MORE_CASES}
 
 
 def _qwen3_5_config(**text_overrides):
@@ -52,7 +60,7 @@ def build(name: str, folder: Path, seed: int = 0, **overrides):
     values that differ from the case's."""
     import transformers
 
-    config_cls, model_cls, kwargs = CASES[name]
+    config_cls, model_cls, kwargs = ALL_CASES[name]
     multimodal = kwargs is None  # its overrides go to the text model's config
     torch.manual_seed(seed)
     if multimodal:

@@ -22,13 +22,14 @@ from strata.kernels.rmsnorm import norm_warps, rms_norm_triton
 from strata.kernels.rope import apply_rope_triton
 
 
-def qk_prep_reference(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids):
+def qk_prep_reference(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids,
+                      scale: float = 1.0):
     """The separate kernels: norms (when q_norm is given), rotary, then each row's k and v written into
     k_pool / v_pool [S, cells, Hkv, D] at (seq_ids[r], positions[r]). Returns the rotated q [R, H, D]."""
     if q_norm is not None:
         q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
-    q = apply_rope_triton(q, positions, inv_freq, rotary_dim)
-    k = apply_rope_triton(k, positions, inv_freq, rotary_dim)
+    q = apply_rope_triton(q, positions, inv_freq, rotary_dim, scale=scale)
+    k = apply_rope_triton(k, positions, inv_freq, rotary_dim, scale=scale)
     seq, pos = seq_ids.long(), positions.long()
     k_pool[seq, pos] = k
     v_pool[seq, pos] = v
@@ -39,7 +40,7 @@ def qk_prep_reference(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_
 def _qk_prep_kernel(
     p_q, p_k, p_v, p_qn, p_kn, p_pos, p_seq, p_inv_freq, p_q_out, p_k_pool, p_v_pool,
     s_qr, s_qh, s_kr, s_kh, s_vr, s_vh, s_ps, s_pc, s_ph,
-    H, HKV, D, HALF, eps, s_chunk,
+    H, HKV, D, HALF, eps, s_chunk, scale,
     SPLIT: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     PDL: tl.constexpr,
@@ -75,7 +76,7 @@ def _qk_prep_kernel(
         b_hi = (b_hi.to(tl.float32) * b_rstd * tl.load(p_w + HALF + o_j, mask=m_j, other=0.0)).to(b_hi.dtype)
     b_pos = tl.load(p_pos + i_r).to(tl.float32)
     b_freq = b_pos * tl.load(p_inv_freq + o_j, mask=m_j, other=0.0)
-    b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
+    b_cos, b_sin = tl.cos(b_freq) * scale, tl.sin(b_freq) * scale
     b_lo, b_hi = b_lo.to(tl.float32), b_hi.to(tl.float32)
     ty = p_o.dtype.element_ty
     tl.store(p_o + o_j, (b_lo * b_cos - b_hi * b_sin).to(ty), mask=m_j)
@@ -96,11 +97,12 @@ def _qk_prep_kernel(
         tl.store(p_v_pool + i_seq2 * s_ps + i_cell2 * s_pc + i_h * s_ph + o_d2, b_v.to(ty), mask=m_d)
 
 
-def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids):
+def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim, k_pool, v_pool, seq_ids,
+                   scale: float = 1.0):
     """`qk_prep_reference` in one launch. q: [R, H, D], k, v: [R, Hkv, D] (any row and head strides, unit last
     stride; or all three views of one `SplitSum`, whose chunks are added as they are loaded); q_norm, k_norm: [D]
     float32 or None (no norm); positions, seq_ids: [R] int32/int64; inv_freq: [rotary_dim / 2] float32; k_pool,
-    v_pool: [S, cells, Hkv, D] contiguous. Returns q rotated, [R, H, D]."""
+    v_pool: [S, cells, Hkv, D] contiguous; scale: cos and sin multiplied by it (YaRN). Returns q rotated, [R, H, D]."""
     r, h, d = q.shape
     hkv = k.shape[1]
     half = rotary_dim // 2
@@ -117,7 +119,7 @@ def qk_prep_triton(q, k, v, q_norm, k_norm, eps, positions, inv_freq, rotary_dim
             positions, seq_ids, inv_freq.contiguous(), q_out, k_pool, v_pool,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            h, hkv, d, half, eps, s_chunk,
+            h, hkv, d, half, eps, s_chunk, float(scale),
             SPLIT=split, QK_NORM=q_norm is not None, BLOCK_D=triton.next_power_of_2(d),
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d,

@@ -14,11 +14,15 @@ def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [R] int64 -> cos, sin: [R, rotary_dim] in dtype."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [R] int64 -> cos, sin: [R, rotary_dim] in dtype, multiplied by `scale` (YaRN's attention factor,
+    `strata.model.rope_scaling`) before the rounding."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,7 +46,7 @@ MAX_HEAD_BLOCK = 16
 def _rope_kernel(
     p_x, p_pos, p_inv_freq, p_out,
     stride_xr, stride_xh, stride_pos,
-    H, D, HALF,
+    H, D, HALF, scale,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -53,7 +57,7 @@ def _rope_kernel(
     m_h, m_j = o_h < H, o_j < HALF
     b_pos = tl.load(p_pos + i_r * stride_pos).to(tl.float32)
     b_freq = b_pos * tl.load(p_inv_freq + o_j, mask=m_j, other=0.0)  # [BLOCK_HALF]
-    b_cos, b_sin = tl.cos(b_freq)[None, :], tl.sin(b_freq)[None, :]
+    b_cos, b_sin = (tl.cos(b_freq) * scale)[None, :], (tl.sin(b_freq) * scale)[None, :]
     m = m_h[:, None] & m_j[None, :]
     p_lo = p_x + i_r * stride_xr + o_h[:, None] * stride_xh + o_j[None, :]  # [BLOCK_H, BLOCK_HALF]
     b_lo = tl.load(p_lo, mask=m, other=0.0).to(tl.float32)
@@ -69,9 +73,10 @@ def _rope_kernel(
 
 
 def apply_rope_triton(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int, out: torch.Tensor | None = None
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int, out: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """`apply_rope(x, *rope_cos_sin(positions, inv_freq, x.dtype))` in one Triton pass, cos/sin made in-kernel.
+    """`apply_rope(x, *rope_cos_sin(positions, inv_freq, x.dtype, scale))` in one Triton pass, cos/sin made in-kernel.
 
     x: [R, H, D] (any row and head strides); positions: [R] int32/int64 (any stride); inv_freq: [rotary_dim / 2]
     float32. Writes a new contiguous [R, H, D], or `out` (contiguous, x's shape and dtype; may be x itself)."""
@@ -89,7 +94,7 @@ def apply_rope_triton(
         _rope_kernel[(r, triton.cdiv(h, block_h))](
             x, positions, inv_freq.contiguous(), out,
             x.stride(0), x.stride(1), positions.stride(0),
-            h, d, half,
+            h, d, half, float(scale),
             BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_PASS=rotary_dim < d, **pdl(x)
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from strata.errors import CheckpointError
+from strata.model.rope_scaling import rope_config
 from strata.model.spec import AttentionSpec, GDNSpec, LayerSpec, ModelSpec, MoESpec
 
 
@@ -25,17 +26,8 @@ class Family:
     spec_from_config: Callable[[dict, str], ModelSpec]
 
 
-def _rope(cfg: dict) -> tuple[float, float]:
-    rope = cfg.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", "default")
-    if kind not in ("default", None):
-        raise CheckpointError(f"rope_type {kind!r} is not supported yet (only the default rotary embedding)")
-    return float(theta), float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-
-
 def _attention(cfg: dict, *, qk_norm: bool, output_gate: bool) -> AttentionSpec:
-    theta, partial = _rope(cfg)
+    theta, partial, rope_type, rope_params = rope_config(cfg)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return AttentionSpec(
@@ -46,6 +38,8 @@ def _attention(cfg: dict, *, qk_norm: bool, output_gate: bool) -> AttentionSpec:
         rope_theta=theta,
         qk_norm=qk_norm,
         output_gate=output_gate,
+        rope_type=rope_type,
+        rope_params=rope_params,
     )
 
 

@@ -250,7 +250,7 @@ class GGUFCheckpoint:
             "head_dim": self._key("attention.key_length", hidden // num_heads),
             "intermediate_size": self._key("feed_forward_length", None),
             "rms_norm_eps": self._key("attention.layer_norm_rms_epsilon"),
-            "rope_parameters": {"rope_type": "default", "rope_theta": self._key("rope.freq_base", 10000.0)},
+            "rope_parameters": self._rope(gguf_names),
             "vocab_size": vocab,
             "max_position_embeddings": self._key("context_length"),
             "tie_word_embeddings": "output.weight" not in gguf_names,
@@ -266,6 +266,23 @@ class GGUFCheckpoint:
                 "norm_topk_prob": True,  # llama.cpp renormalizes the chosen experts' weights
             }
         return config
+
+    def _rope(self, gguf_names: set[str]) -> dict:
+        """The rotary embedding's parameters in config.json's form (`strata.model.rope_scaling`)."""
+        rope = {"rope_type": "default", "rope_theta": self._key("rope.freq_base", 10000.0)}
+        if "rope_freqs.weight" in gguf_names:
+            raise CheckpointError(f"{self.path}: per-dimension rotary frequency factors (the rope_freqs tensor, "
+                                  "llama.cpp's form of Llama 3.1 scaling) are not supported; use the model's "
+                                  "safetensors checkpoint, whose config gives rope_type llama3")
+        kind = self._key("rope.scaling.type", "none")
+        if kind in ("none", ""):
+            return rope
+        if kind not in ("linear", "yarn"):
+            raise CheckpointError(f"{self.path}: rope scaling type {kind!r} is not supported (linear, yarn are)")
+        rope |= {"rope_type": kind, "factor": float(self._key("rope.scaling.factor"))}
+        if kind == "yarn":
+            rope["original_max_position_embeddings"] = int(self._key("rope.scaling.original_context_length"))
+        return rope
 
     def names(self) -> list[str]:
         return list(self._tensors)

@@ -22,6 +22,8 @@ class AttentionSpec:
     rope_theta: float
     qk_norm: bool  # RMSNorm over each head of q and k before rotary (Qwen3 families)
     output_gate: bool  # q_proj also yields a per-channel gate: out * sigmoid(gate) (Qwen3-Next, Qwen3.5)
+    rope_type: str = "default"  # RoPE scaling kind and its parameters (`strata.model.rope_scaling`)
+    rope_params: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ class TritonDecode:
     """Runs a stage's layers (and head) over decode rows: tokens, positions and sequence ids, all [R]."""
 
     def __init__(self, spec: ModelSpec, weights: StageWeights, inv_freq: torch.Tensor,
-                 pools: dict[int, ExpertPool] | None = None):
+                 pools: dict[int, ExpertPool] | None = None, rope_scale: float = 1.0):
         """`pools`: the CPU expert pools of the MoE layers that keep some experts in host RAM. Their layers wait
         for the host mid-window: a stage with pools runs eagerly, or with `POOL_GRAPHS` as one graph per stretch
-        between two of them (`GraphedPooledDecode`)."""
-        self.spec, self.weights, self.inv_freq = spec, weights, inv_freq
+        between two of them (`GraphedPooledDecode`). `rope_scale`: the factor rotary cos/sin carry (YaRN)."""
+        self.spec, self.weights, self.inv_freq, self.rope_scale = spec, weights, inv_freq, rope_scale
         self.pools = pools or {}
         self.scale = spec.attention.head_dim**-0.5
 
@@ -107,7 +107,7 @@ class TritonDecode:
         q, k, v, gate = split_qkv(a, project(x, w["qkv"], w.get("qkv_bias")))
         # q/k norms, rotary, and each row's k and v into its own cell: one launch
         q = qk_prep_triton(q, k, v, w.get("q_norm"), w.get("k_norm"), self.spec.rms_eps, positions, self.inv_freq,
-                           a.rotary_dim, pool.k[i], pool.v[i], seq_ids)
+                           a.rotary_dim, pool.k[i], pool.v[i], seq_ids, self.rope_scale)
         # each row's cells in fixed chunks, merged in the launch; Qwen3-Next's output gate applied as heads are stored
         out = decode_attention_split_triton(q, pool.k[i], pool.v[i], seq_ids, positions, self.scale,
                                             gate).reshape(r, -1)

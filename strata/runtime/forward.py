@@ -14,7 +14,8 @@ from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_de
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, moe, swiglu
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
-from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from strata.kernels.rope import apply_rope, rope_cos_sin
+from strata.model.rope_scaling import rope_frequencies
 from strata.model.spec import AttentionSpec, ModelSpec
 from strata.model.weights import StageWeights, Tensors
 from strata.runtime.window import Window
@@ -31,7 +32,8 @@ class Forward:
         which are fastest there)."""
         self.spec, self.weights, self.device, self.dtype = spec, weights, device, dtype
         a = spec.attention
-        self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, device)
+        # rotary frequencies and the factor its cos/sin carry (RoPE scaling: `strata.model.rope_scaling`)
+        self.inv_freq, self.rope_scale = rope_frequencies(a.rotary_dim, a.rope_theta, a.rope_type, a.rope_params, device)
         self.scale = a.head_dim**-0.5
         self.fast = None
         self.mtp: Tensors | None = None  # the multi-token-prediction layer (`set_mtp`), on the last stage
@@ -68,7 +70,7 @@ class Forward:
             self.prompt_gdn = (causal_conv1d_triton, gated_delta_rule_chunked_triton)
             from strata.runtime import fast_decode
 
-            self.fast = fast_decode.TritonDecode(spec, weights, self.inv_freq, self.pools)
+            self.fast = fast_decode.TritonDecode(spec, weights, self.inv_freq, self.pools, self.rope_scale)
             if cuda_graphs and not self.pools:
                 self.fast = fast_decode.GraphedDecode(self.fast)
             elif cuda_graphs and fast_decode.POOL_GRAPHS:  # with CPU pools: a graph a stretch between two of them
@@ -80,10 +82,11 @@ class Forward:
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         positions = window.positions.to(self.device)
         if self.rotate is None:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
             turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         else:
-            turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim)  # noqa: E731
+            turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim,  # noqa: E731
+                                         scale=self.rope_scale)
         rows = _rows_for(window)
         delta = None  # what the last block adds to the residual stream x, not added yet
         for i, w in self.weights.layers.items():
@@ -133,7 +136,7 @@ class Forward:
         g = rms_norm(hidden, w["pre_hidden_norm"], eps)
         x = F.linear(torch.cat([e, g], dim=-1), w["fc"])
         positions = window.positions.to(self.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
         turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         attend, self.attend = self.attend, attention  # the reference kernels: any shape of segments, no graphs
         try:
