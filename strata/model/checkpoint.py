@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from strata.errors import CheckpointError
+from strata.model.quantization import read_quantization
 from strata.model.tokenizer import Tokenizer
 
 
@@ -89,6 +90,7 @@ class SafetensorsCheckpoint:
         if missing:
             raise CheckpointError(f"{index}: lists {len(missing)} tensors not found in the shards, e.g. {missing[0]}")
         self._handles: dict[Path, object] = {}
+        self.quantization = read_quantization(self.config, str(path / "config.json"))
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -102,10 +104,17 @@ class SafetensorsCheckpoint:
         file = self._files.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        tensor = self._read(file, name)
+        scale = f"{name}_scale_inv"
+        if self.quantization is not None and scale in self._files:  # FP8 blocks: dequantized as read
+            return self.quantization.dequantize(tensor, self._read(self._files[scale], scale), name).to(dtype)
+        return tensor.to(dtype)
+
+    def _read(self, file: Path, name: str) -> torch.Tensor:
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(file, "pt")
-        return handle.get_tensor(name).to(dtype)
+        return handle.get_tensor(name)
 
     def tokenizer(self) -> Tokenizer | None:
         return Tokenizer.from_folder(self.path)
