@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from strata.experts.pool import ExpertPool
 from strata.kernels.invariant import in_blocks_of, in_row_blocks, plain
 from strata.kernels.linear import linear_triton
-from strata.kernels.moe import (PROMPT_TILES, add_shared_expert, decode_tiles, fused_experts_triton, route,
+from strata.kernels.moe import (add_shared_expert, decode_tiles, fused_experts_triton, route, prompt_tiles,
                                 route_triton, routed_experts, swiglu)
 from strata.model.spec import MoESpec
 
@@ -70,7 +70,7 @@ def pooled_moe_steps(x: torch.Tensor, w: Tensors, m: MoESpec, rows=plain, kernel
     elif kernels == "torch":
         out = routed_experts(x, weights, slots.long(), gate_up, down, rows)
     else:
-        tiles = decode_tiles(x.shape[0]) if kernels == "decode" else PROMPT_TILES
+        tiles = decode_tiles(x.shape[0]) if kernels == "decode" else prompt_tiles(x.dtype)
         out = fused_experts_triton(x, weights, slots, gate_up, down, tiles)
     out = add_shared_expert(out, x, shared, w.get("shared_gate"), run_swiglu, run_linear)
     from_pool = yield "finish", cpu_rows

@@ -50,9 +50,9 @@ class Forward:
         self.prompt_moe = None  # the Triton MoE block with prompt-sized tiles (None: the torch reference)
         self.prompt_gdn = None  # (conv, chunked delta rule) on Triton for prompt windows (None: the torch references)
         if kernels == "triton":
-            from strata.kernels.moe import PROMPT_TILES, moe_triton
+            from strata.kernels.moe import moe_triton, prompt_tiles
 
-            self.prompt_moe = lambda *a, **kw: moe_triton(*a, **kw, tiles=PROMPT_TILES)
+            self.prompt_moe = lambda *a, **kw: moe_triton(*a, **kw, tiles=prompt_tiles(dtype))
             from strata.kernels.attention import prefill_attention_triton
 
             self.attend = prefill_attention_triton
