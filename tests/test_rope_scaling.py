@@ -86,7 +86,7 @@ def test_the_triton_kernels_rotate_as_transformers(model):
     """The Triton rotary kernel (prompt windows) and qk_prep (decode windows) carry YaRN's factor too."""
     case, kind, folder, ref = model
     engine = Engine(ModelFiles.open(folder), max_cells=256, kernels="triton")
-    ids = PROMPT[:66]
+    ids = PROMPT[:20]  # YaRN changes the frequencies and cos/sin at every position (the interpreter is slow)
     state = engine.new_state()
     got = engine.run(state, ids, all_logits=True)
     after = engine.run(state, [5])

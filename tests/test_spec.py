@@ -446,8 +446,8 @@ def test_the_default_models_mtp_head_drafts_what_the_model_writes(default_engine
     engine = Engine(default_engine.files, max_cells=1024, speculative=SpeculativeConfig("mtp", 3))
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
-    plain = default_engine.generate(ids, 48, stop_ids=NO_STOP).ids
-    assert engine.generate(ids, 48, stop_ids=NO_STOP).ids == plain
+    plain = default_engine.generate(ids, 36, stop_ids=NO_STOP).ids
+    assert engine.generate(ids, 36, stop_ids=NO_STOP).ids == plain
     counts = engine.solo_slots().spec_counts
     first = engine.solo_slots().spec_accepted_per_pos[0] / counts["drafts"]
     assert counts["drafts"] >= 10 and first >= 0.1, (counts, first)
