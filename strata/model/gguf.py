@@ -7,6 +7,9 @@ checkpoint loads a GGUF one unchanged:
     ckpt.config["num_hidden_layers"], ckpt.shape("model.layers.0.self_attn.q_proj.weight")
     weight = ckpt.load("model.layers.0.self_attn.q_proj.weight")  # float32, dequantized
 
+Tensors llama.cpp's converter changed are changed back as they are read: Llama's Q/K rows here, the hybrid
+family's (`qwen3next`, `qwen35moe`) in `strata.model.gguf_hybrid`.
+
 The header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy view per array
 element and takes 1.5 s on the 49k-token vocabulary of a 135M model; `gguf` still provides the
 type tables and the dequantization.
@@ -17,7 +20,7 @@ import re
 import struct
 from math import prod
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -27,13 +30,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from strata.errors import CheckpointError
+from strata.model import gguf_hybrid as hybrid
 from strata.model.tokenizer import Tokenizer as StrataTokenizer
 
-# GGUF architecture -> (transformers model_type, architectures entry)
+# GGUF architecture -> (transformers model_type, architectures entry); the hybrid ones: `strata.model.gguf_hybrid`
 _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    **hybrid.ARCHS,
 }
 # llama.cpp stores the Q/K rows of these interleaved in pairs, for its rotary kernel
 _PERMUTED_QK = {"llama"}
@@ -46,6 +51,7 @@ _TOP_NAMES = {
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -56,10 +62,15 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # stacked experts [E, out, in]: named like transformers' fused expert parameters, without a suffix
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                 "ffn_gate_up_exps": "gate_up_proj"}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 
 # `tokenizer.ggml.pre` -> the split llama.cpp applies before byte-level BPE
 _LLAMA3_SPLIT = (
@@ -90,6 +101,14 @@ class _TensorInfo(NamedTuple):
     qtype: GGMLQuantizationType
     start: int  # absolute offset in the file
     nbytes: int
+
+
+class _Source(NamedTuple):
+    """Where a transformers tensor comes from: one GGUF tensor, or two (Qwen3-Next's `in_proj_qkvz`)."""
+
+    parts: tuple[_TensorInfo, ...]
+    shape: tuple[int, ...]  # the transformers shape
+    undo: Callable[..., np.ndarray] | None  # the parts' dequantized arrays -> the transformers values (None: as stored)
 
 
 class _HeaderParser:
@@ -157,18 +176,26 @@ class _HeaderParser:
         return infos
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The transformers name of a GGUF tensor, or None for one transformers has no place for."""
+def _hf_name(gguf_name: str, arch: str, num_layers: int) -> str | None:
+    """The transformers name of a GGUF tensor, or None for one transformers has no place for. Blocks from
+    `num_layers` on are the multi-token-prediction layers (`mtp.*`)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match is None:
         return None
-    layer, part, suffix = match.groups()
+    layer, part, suffix = int(match[1]), match[2], match[3] or ""
+    prefix = f"model.layers.{layer}."
+    if layer >= num_layers:
+        if part in hybrid.NEXTN_PARTS:  # the head's own tensors, written again into every MTP block: the first's
+            return hybrid.NEXTN_PARTS[part] if layer == num_layers and suffix == "weight" else None
+        prefix = f"mtp.layers.{layer - num_layers}."
     if part in _EXPERT_NAMES and suffix == "weight":
-        return f"model.layers.{layer}.mlp.experts.{_EXPERT_NAMES[part]}"
-    if part in _BLOCK_NAMES:
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{suffix}"
+        return f"{prefix}mlp.experts.{_EXPERT_NAMES[part]}"
+    if part in _BLOCK_NAMES and suffix:
+        return f"{prefix}{_BLOCK_NAMES[part]}.{suffix}"
+    if arch in hybrid.ARCHS and (part, suffix) in hybrid.PARTS:
+        return prefix + hybrid.PARTS[part, suffix]
     return None
 
 
@@ -197,9 +224,8 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._check_extents(infos)
         self.arch = self._architecture()
-        gguf_names = {info.gguf_name for info in infos}
-        self._tensors = {hf: info for info in infos if (hf := _hf_name(info.gguf_name)) is not None}
-        self.config = self._build_config(gguf_names)
+        self.config = self._build_config({info.gguf_name: info.shape for info in infos})
+        self._tensors = self._sources(infos)
 
     def _map_file(self) -> mmap.mmap:
         if not self.path.is_file():
@@ -236,24 +262,28 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
         return default
 
-    def _build_config(self, gguf_names: set[str]) -> dict:
+    def _build_config(self, shapes: dict[str, tuple[int, ...]]) -> dict:
+        """config.json's keys from the metadata; `shapes`: every GGUF tensor's (torch order)."""
         model_type, architecture = _ARCHS[self.arch]
         hidden, num_heads = self._key("embedding_length"), self._key("attention.head_count")
+        head_dim = self._key("attention.key_length", hidden // num_heads)
         vocab = self._key("vocab_size", None) or len(self._meta.get("tokenizer.ggml.tokens", ()))
+        # llama.cpp appends multi-token-prediction layers as blocks after the model's own
+        num_layers = self._key("block_count") - self._key("nextn_predict_layers", 0)
         config = {
             "model_type": model_type,
             "architectures": [architecture],
             "hidden_size": hidden,
-            "num_hidden_layers": self._key("block_count"),
+            "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads,
             "num_key_value_heads": self._key("attention.head_count_kv", num_heads),
-            "head_dim": self._key("attention.key_length", hidden // num_heads),
+            "head_dim": head_dim,
             "intermediate_size": self._key("feed_forward_length", None),
             "rms_norm_eps": self._key("attention.layer_norm_rms_epsilon"),
-            "rope_parameters": self._rope(gguf_names),
+            "rope_parameters": self._rope(shapes, head_dim),
             "vocab_size": vocab,
             "max_position_embeddings": self._key("context_length"),
-            "tie_word_embeddings": "output.weight" not in gguf_names,
+            "tie_word_embeddings": "output.weight" not in shapes,
             "bos_token_id": self._meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self._meta.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self._meta.get("tokenizer.ggml.padding_token_id"),
@@ -265,12 +295,17 @@ class GGUFCheckpoint:
                 "moe_intermediate_size": self._key("expert_feed_forward_length"),
                 "norm_topk_prob": True,  # llama.cpp renormalizes the chosen experts' weights
             }
+        if self.arch in hybrid.ARCHS:
+            config |= hybrid.config(self._key, num_layers, shapes, str(self.path))
         return config
 
-    def _rope(self, gguf_names: set[str]) -> dict:
+    def _rope(self, shapes: dict[str, tuple[int, ...]], head_dim: int) -> dict:
         """The rotary embedding's parameters in config.json's form (`strata.model.rope_scaling`)."""
         rope = {"rope_type": "default", "rope_theta": self._key("rope.freq_base", 10000.0)}
-        if "rope_freqs.weight" in gguf_names:
+        rotary_dim = self._key("rope.dimension_count", head_dim)
+        if rotary_dim != head_dim:  # partial rotary (Qwen3-Next, Qwen3.5: a quarter of each head)
+            rope["partial_rotary_factor"] = rotary_dim / head_dim
+        if "rope_freqs.weight" in shapes:
             raise CheckpointError(f"{self.path}: per-dimension rotary frequency factors (the rope_freqs tensor, "
                                   "llama.cpp's form of Llama 3.1 scaling) are not supported; use the model's "
                                   "safetensors checkpoint, whose config gives rope_type llama3")
@@ -284,24 +319,72 @@ class GGUFCheckpoint:
             rope["original_max_position_embeddings"] = int(self._key("rope.scaling.original_context_length"))
         return rope
 
+    def _sources(self, infos: list[_TensorInfo]) -> dict[str, _Source]:
+        """Each transformers tensor's GGUF tensors, its shape, and what undoes the converter's changes to it."""
+        num_layers = self.config["num_hidden_layers"]
+        sources = {}
+        for info in infos:
+            hf = _hf_name(info.gguf_name, self.arch, num_layers)
+            if hf is None:
+                continue
+            shape, undo = info.shape, None
+            if self.arch in _PERMUTED_QK and (part := info.gguf_name.split(".")[-2]) in ("attn_q", "attn_k"):
+                heads = self.config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+                undo = lambda w, heads=heads: _unpermute_rows(w, heads)  # noqa: E731
+            elif self.arch in hybrid.ARCHS:
+                shape, undo = hybrid.undo(hf, info.shape, self.arch, self.config)
+            sources[hf] = _Source((info,), shape, undo)
+        if self.arch == "qwen3next":
+            self._fuse_qkvz(sources)
+        return sources
+
+    def _fuse_qkvz(self, sources: dict[str, _Source]) -> None:
+        """Qwen3-Next: each Gated DeltaNet layer's `attn_qkv` and `attn_gate` are one transformers tensor."""
+        for qkv_name in [n for n in sources if n.endswith(".linear_attn.in_proj_qkv.weight")]:
+            layer = qkv_name.removesuffix(".in_proj_qkv.weight")
+            qkv, z = sources.pop(qkv_name), sources.pop(f"{layer}.in_proj_z.weight", None)
+            if z is None:
+                qkv_gguf = qkv.parts[0].gguf_name
+                raise CheckpointError(f"{self.path}: tensor {qkv_gguf.replace('attn_qkv', 'attn_gate')!r} is missing; "
+                                      f"{layer}.in_proj_qkvz is read from it and {qkv_gguf!r}")
+            cfg = self.config
+            value_rows = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+            qkv_rows = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + value_rows
+            if len(qkv.shape) != 2 or qkv.shape[0] != qkv_rows or z.shape != (value_rows, qkv.shape[1]):
+                raise CheckpointError(f"{self.path}: tensors {qkv.parts[0].gguf_name!r} {list(qkv.shape)} and "
+                                      f"{z.parts[0].gguf_name!r} {list(z.shape)} do not have the metadata's "
+                                      f"{qkv_rows} and {value_rows} rows")
+            shape = (qkv.shape[0] + z.shape[0], qkv.shape[1])
+            undo = lambda qkv, z: hybrid.fuse_qkvz(qkv, z, self.config)  # noqa: E731
+            sources[f"{layer}.in_proj_qkvz.weight"] = _Source(qkv.parts + z.parts, shape, undo)
+        stray = [s.parts[0].gguf_name for n, s in sources.items() if n.endswith(".linear_attn.in_proj_z.weight")]
+        if stray:
+            raise CheckpointError(f"{self.path}: tensor {stray[0]!r} has no attn_qkv beside it")
+
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def _info(self, name: str) -> _TensorInfo:
+    def _source(self, name: str) -> _Source:
         if name not in self._tensors:
             raise CheckpointError(f"{self.path}: no tensor named {name!r} (it has {len(self._tensors)} tensors)")
         return self._tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._info(name).shape
+        return self._source(name).shape
+
+    def _read(self, info: _TensorInfo) -> np.ndarray:
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        info = self._info(name)  # its extent was checked against the file size at open
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        weight = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
-        if self.arch in _PERMUTED_QK and (part := info.gguf_name.split(".")[-2]) in ("attn_q", "attn_k"):
-            key = "num_attention_heads" if part == "attn_q" else "num_key_value_heads"
-            weight = _unpermute_rows(weight, self.config[key])
+        source = self._source(name)  # its tensors' extents were checked against the file size at open
+        weights = [self._read(info) for info in source.parts]
+        try:
+            weight = source.undo(*weights) if source.undo is not None else weights[0]
+        except ValueError as e:  # a reshape the config's head counts and sizes do not fit
+            shapes = ", ".join(f"{info.gguf_name} {list(info.shape)}" for info in source.parts)
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read from {shapes} with the head "
+                                  f"counts and sizes of the metadata ({e})") from None
         if not weight.flags.writeable or not weight.flags.c_contiguous:
             weight = np.array(weight, order="C")  # F32 data is a view of the read-only map
         return torch.from_numpy(weight).to(dtype)
