@@ -218,8 +218,8 @@ def _sysconf_ram() -> int:
 def read_model(path: str | Path, bytes_per_param: float = 2.0) -> ModelFacts:
     """Facts from a model's own files (a Hugging Face folder, a .gguf file, or `default`), reading no tensor data.
 
-    Tensor sizes come from the checkpoint's shapes at `bytes_per_param` (a GGUF file counts at its dequantized
-    size: the engine holds it as bfloat16)."""
+    Tensor sizes come from the checkpoint's shapes at `bytes_per_param` (a GGUF file or an FP8 checkpoint counts
+    at its dequantized size: the engine holds it as bfloat16)."""
     from strata.model.loader import ModelFiles
 
     files = ModelFiles.open(path)
@@ -229,6 +229,8 @@ def read_model(path: str | Path, bytes_per_param: float = 2.0) -> ModelFacts:
     dense = [0] * spec.num_layers
     embed = head = mtp = 0
     for name in ckpt.names():
+        if name.endswith("_scale_inv"):  # FP8 block scales: folded into their weights as read, not held
+            continue
         size = int(math.prod(ckpt.shape(name)) * bytes_per_param)
         if (match := layer_re.fullmatch(name)) is not None:
             layer, rest = int(match[1]), match[2]
