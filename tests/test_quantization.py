@@ -87,11 +87,11 @@ def fp8_model(request, tmp_path_factory):
     save_file(dequantized, twin / "model.safetensors", metadata={"format": "pt"})
     ref = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     ref.generation_config.eos_token_id = None
-    return folder, ref, plain
+    return folder, ref, plain, twin
 
 
 def test_fp8_weights_are_read_as_their_dequantized_values(fp8_model):
-    folder, ref, plain = fp8_model
+    folder, ref, plain, _ = fp8_model
     engine = Engine(ModelFiles.open(folder), max_cells=128)
     ours = engine.generate(PROMPT, NEW, stop_ids=frozenset()).ids
     with torch.no_grad():
@@ -109,6 +109,16 @@ def test_fp8_weights_are_read_as_their_dequantized_values(fp8_model):
     assert raw.dtype == torch.float8_e4m3fn
     assert not torch.equal(ckpt.load(name), raw.float())
     assert not torch.equal(ckpt.load(name), plain[name])
+
+
+def test_autoconfig_counts_an_fp8_checkpoint_at_its_dequantized_size(fp8_model):
+    """The engine holds FP8 weights dequantized (bfloat16 by default): autoconfig's facts equal the twin's."""
+    from autoconfig.facts import read_model
+
+    folder, _, _, twin = fp8_model
+    fp8, plain = read_model(folder), read_model(twin)
+    assert (fp8.expert_bytes, fp8.dense_bytes, fp8.embed_bytes, fp8.head_bytes) == \
+        (plain.expert_bytes, plain.dense_bytes, plain.embed_bytes, plain.head_bytes)
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor():
