@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import SplitSum, finish, sum_chunks
+from strata.kernels.packed import packed_tile
 from strata.kernels.pdl import pdl, wait_for_prior
+from strata.quant.packed import PackedWeight
 
 BLOCK_M = 16
 # dtype -> (BLOCK_N, BLOCK_K, num_stages); one configuration per dtype, whatever M is. The 16-bit ones: 32 columns
@@ -67,6 +69,7 @@ def linear_kernel(
     p_x, p_w, p_b, p_out,
     M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+    FMT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -76,7 +79,8 @@ def linear_kernel(
     PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
-    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile."""
+    the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile. FMT > 0: the weight
+    is packed (p_w: its row records, stride_wn bytes apart; `strata.kernels.packed`), each tile dequantized and rounded to x's dtype, then multiplied as a plain weight's tile is."""
     wait_for_prior(PDL)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -96,7 +100,11 @@ def linear_kernel(
     for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):
         m_k = o_k < k_end - i_k * BLOCK_K
         b_x = tl.load(p_xk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if FMT == 0:
+            b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        else:
+            b_w = tl.trans(packed_tile(p_w, o_n.to(tl.int64), m_n, k0 + i_k * BLOCK_K, K, stride_wn, FMT, BLOCK_K))
+            b_w = tl.where(m_k[:, None], b_w, 0.0).to(p_x.dtype.element_ty)
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=INPUT_PRECISION)
         p_xk += BLOCK_K * stride_xk
         p_wk += BLOCK_K * stride_wk
@@ -139,10 +147,12 @@ def sum_chunks_triton(value: SplitSum, bias: torch.Tensor | None = None) -> torc
     return out.reshape(value.shape)
 
 
-def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | SplitSum:
+def linear_split(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor | SplitSum:
     """`linear_triton`, except that a weight split over K chunks returns its chunks unsummed (a `SplitSum`, for a
     reader that adds them as it loads them; `deferred.finish` adds them on their own). With a bias, or a weight
-    wide enough not to split, the result is the finished tensor."""
+    wide enough not to split, the result is the finished tensor. A `PackedWeight` is read packed: the same tiles
+    and split, so the result is bitwise that of the weight dequantized to x's dtype."""
     m, k = x.shape
     n, k_w = weight.shape
     assert k == k_w, f"x has K={k}, weight has K={k_w}"
@@ -157,10 +167,13 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if m == 0 or n == 0:
         return out
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
+    packed = isinstance(weight, PackedWeight)
+    w = weight.data.contiguous() if packed else weight
     linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out,
+        x, w, bias if bias is not None else x, out,
         m, n, k, k // split if split > 1 else k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(-2),
+        x.stride(0), x.stride(1), w.stride(0), 1 if packed else w.stride(1), out.stride(-2),
+        FMT=weight.kernel_format if packed else 0,
         HAS_BIAS=bias is not None,
         PARTIAL=split > 1,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -173,8 +186,8 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return sum_chunks_triton(value, bias) if bias is not None else value
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K]; weight: [N, K] (x's dtype, any strides); bias: [N] or None -> [M, N] in x's dtype.
+def linear_triton(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K]; weight: [N, K] (x's dtype, any strides, or packed); bias: [N] or None -> [M, N] in x's dtype.
 
     float32 inputs multiply in full float32 (as F.linear does by default), the 16-bit ones on tensor
     cores; all accumulate in float32."""

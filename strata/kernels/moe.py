@@ -18,7 +18,9 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
+from strata.kernels.packed import packed_tile
 from strata.kernels.pdl import pdl, wait_for_prior
+from strata.quant.packed import PackedWeight
 
 Rows = Callable[..., torch.Tensor]  # how per-row work is run: `plain` or `in_row_blocks` (row-invariant)
 Linear = Callable[..., torch.Tensor]  # F.linear or a row-invariant linear
@@ -284,10 +286,11 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 @triton.jit
 def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TMA: tl.constexpr, FMT: tl.constexpr = 0):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
     tile i_n. TMA: p_w is a tensor descriptor of the weights as [E * 2I, H] rows, read by the copy engine (a
-    tile's columns past I read the next rows, whose products are not stored)."""
+    tile's columns past I read the next rows, whose products are not stored). FMT > 0: the weights are packed
+    (`strata.kernels.packed`; s_wn: a row record's bytes), each tile dequantized and rounded to x's dtype."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P in padding slots
     m_m = b_pair < P
     b_row = b_pair // K_TOP
@@ -303,6 +306,17 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, 
                           mask=m_m[:, None] & (o_k < H)[None, :], other=0.0)  # [BM, BK]
             b_wg = p_w.load([r_gate, k0]).to(b_x.dtype)  # [BN, BK]
             b_wu = p_w.load([r_gate + I, k0]).to(b_x.dtype)
+            b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision="ieee")
+            b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision="ieee")
+    elif FMT > 0:
+        p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
+        r_n = o_n.to(tl.int64)
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :],
+                          mask=m_m[:, None] & (o_k < H)[None, :], other=0.0)  # [BM, BK]
+            b_wg = packed_tile(p_e, r_n, m_n, k0, H, s_wn, FMT, BLOCK_K).to(b_x.dtype)  # [BN, BK]
+            b_wu = packed_tile(p_e, r_n + I, m_n, k0, H, s_wn, FMT, BLOCK_K).to(b_x.dtype)
             b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision="ieee")
             b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision="ieee")
     else:
@@ -326,7 +340,8 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, 
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+                    FMT: tl.constexpr = 0):
     """The experts' gate/up products: one tile per program on a [tiles, column tiles] grid, or PERSISTENT: each
     program walks the used tiles (p_used) with a stride of the grid, one loop the compiler pipelines across
     tiles, so a tile's weight loads start while the one before finishes."""
@@ -336,22 +351,23 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
             _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
-                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                          s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FMT)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
             _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
-                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                          SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FMT)
 
 
 @triton.jit
 def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               TMA: tl.constexpr, H_CG: tl.constexpr = False):
+               TMA: tl.constexpr, H_CG: tl.constexpr = False, FMT: tl.constexpr = 0):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
     i_n. TMA: p_w is a tensor descriptor of the weights as [E * H, I] rows (as in `_gate_up_tile`). H_CG: h is
-    read from L2, not the multiprocessor's own cache (written by other programs of the same launch)."""
+    read from L2, not the multiprocessor's own cache (written by other programs of the same launch). FMT: packed
+    weights, as in `_gate_up_tile`."""
     b_pair = tl.load(p_pair + i_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     m_m = b_pair < P
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -376,7 +392,11 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
                 b_h = tl.load(p_hk, mask=m_hk, other=0.0, cache_modifier=".cg")  # [BM, BK]
             else:
                 b_h = tl.load(p_hk, mask=m_hk, other=0.0)
-            b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
+            if FMT > 0:
+                b_w = tl.trans(packed_tile(_expert_weights(p_w, p_sw, i_e, s_we, E, SHARED), o_n.to(tl.int64), m_n, k0,
+                                           I, s_wn, FMT, BLOCK_K)).to(b_h.dtype)
+            else:
+                b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
     b_route = tl.load(p_route + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
     b_y = (b_y * b_route[:, None]).to(p_y.dtype.element_ty)  # float32, or rounded (ExpertTiles.round_pairs)
@@ -386,7 +406,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
 @triton.jit
 def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H, I, s_we, s_wn, s_wk,
                  SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                 PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, FMT: tl.constexpr = 0):
     """The experts' down products, on a grid like `_gate_up_kernel`'s (one tile per program, or PERSISTENT)."""
     wait_for_prior(PDL)
     if PERSISTENT:
@@ -394,20 +414,21 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
             _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
-                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                       s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA, False, FMT)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
             _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
-                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                       SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA, False, FMT)
 
 
 @triton.jit
 def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I, s_xr,
                     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr,
+                    FMT: tl.constexpr = 0):
     """Both products in one launch (ExpertTiles.handoff). Programs below GATE_UP_PROGRAMS compute one gate_up tile
     each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the layout);
     the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of their pair
@@ -423,7 +444,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
             _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
-                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                          s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False, FMT)
             tl.debug_barrier()  # every thread's h stores issued before the tile is counted
             tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
     else:
@@ -436,7 +457,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
-                       BLOCK_M, DOWN_N, DOWN_K, False, True)
+                       BLOCK_M, DOWN_N, DOWN_K, False, True, FMT)
 
 
 @triton.jit
@@ -669,11 +690,20 @@ def multiprocessors(device: torch.device) -> int:
     return _multiprocessors(device) if device.type == "cuda" else 4
 
 
-def shared_fits(shared: tuple[torch.Tensor, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def _stored(w: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """What the kernels address: a weight itself, or a packed one's row records."""
+    return w.data if isinstance(w, PackedWeight) else w
+
+
+def _format(w: torch.Tensor | PackedWeight) -> tuple[str | None, int]:
+    return (w.fmt, w.kernel_format) if isinstance(w, PackedWeight) else (None, 0)
+
+
+def shared_fits(shared: tuple, gate_up: torch.Tensor | PackedWeight, down: torch.Tensor | PackedWeight) -> bool:
     """Whether a shared expert (gate_up [2I, H], down [H, I]) can run as one more expert of the routed ones: the
-    same shapes and strides as one routed expert's, so the experts' kernels address it like the others."""
-    return shared[0].shape == gate_up.shape[1:] and shared[0].stride() == gate_up.stride()[1:] \
-        and shared[1].shape == down.shape[1:] and shared[1].stride() == down.stride()[1:]
+    same shapes, strides and packing as one routed expert's, so the experts' kernels address it like the others."""
+    return all(tuple(s.shape) == tuple(w.shape[1:]) and _format(s) == _format(w)
+               and _stored(s).stride() == _stored(w).stride()[1:] for s, w in zip(shared, (gate_up, down)))
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -701,7 +731,10 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         return pairs if defer else combine_triton(pairs, tiles.combine_n)
     assert shared is None or shared_fits(shared, gate_up, down), \
         "the shared expert's gate_up and down must have the routed experts' shapes and strides"
-    s_gate_up, s_down = shared if shared is not None else (gate_up, down)
+    s_gate_up, s_down = (_stored(w) for w in (shared if shared is not None else (gate_up, down)))
+    _, fmt = _format(gate_up)
+    assert _format(down)[1] == fmt, "gate_up and down packed alike"
+    gate_up, down = _stored(gate_up), _stored(down)  # from here on, what the kernels address
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
     bm = tiles.block_m
@@ -714,7 +747,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
     down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-             num_stages=tiles.num_stages, SHARED=shared is not None)
+             num_stages=tiles.num_stages, SHARED=shared is not None, FMT=fmt)
 
     def grid(columns: int, block_n: int, per_sm: int) -> tuple[int, ...]:
         if per_sm:
@@ -723,7 +756,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
                   PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages)
-    tma = tiles.tma and shared is None and all(  # the descriptors' rules: contiguous, 16-byte aligned rows
+    tma = tiles.tma and shared is None and fmt == 0 and all(  # the descriptors' rules: contiguous, 16-byte aligned rows
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0 for w in (gate_up, down))
     w_gate_up, w_down = gate_up, down
     if tma:

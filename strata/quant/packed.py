@@ -1,0 +1,234 @@
+"""Quantized weights kept packed: the layout the Triton kernels read, and its float reference.
+
+A `PackedWeight` stands for a float weight [..., N, K] (rows N, reduction K; a leading dimension for stacked
+experts) stored as small integer or float8 codes with per-group scales, in the formats users download. Each row is
+one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts one after another:
+
+  q8_0  codes int8 [K] | scales float16 [K/32]:                          w = f32(scale) * code
+  fp8   codes float8_e4m3fn [K] | scales float32 [K/128] (a checkpoint's 128 x 128 blocks, repeated per row):
+                                                                         w = f32(code) * scale
+  q4_k  codes uint8 [K/2] (byte j: column 2j in its low nibble, 2j + 1 in its high one) | supers float16
+        [K/256, 2] (each 256 columns' d, dmin) | scales uint8 [K/32, 2] (each 32 columns' 6-bit scale, min):
+                                                                         w = (f32(d) * scale) * code - f32(dmin) * min
+  q5_k  q4_k's parts | high uint8 [K/8] (byte j: bit i is column 8j + i's fifth bit): code = nibble | bit << 4
+  q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | supers float16 [K/256] (d) | scales int8 [K/16] |
+        high uint8 [K/4] (byte j: bits 2i, 2i + 1 are column 4j + i's top two):
+                                                                         w = (f32(d) * scale) * (code - 32)
+
+A row record is as long as GGUF's blocks for the row (q4_k and q5_k: 4 bytes more per 256 columns, their 6-bit
+scales unpacked to bytes), so a kernel addresses any column with shifts and a load per part, and rows join, split
+and index like any tensor's (`cat`, `rows`, `index`): the loader fuses packed weights as it fuses float ones.
+
+Every product above is exact in float32 (the factors' mantissas are short), so `dequantize` gives, bit for bit,
+what `gguf`'s dequantizer (and transformers' FP8 dequantization) gives; rounded to bfloat16 it is the weight a
+checkpoint dequantized at load would hold. A kernel that dequantizes a tile in float32, rounds it to the
+activations' dtype and multiplies with the plain weight's tiles gives that kernel's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# format -> (columns a scale covers, columns a super-block covers or 0, bits of a column's code)
+FORMATS = {
+    "q8_0": (32, 0, 8),
+    "fp8": (128, 0, 8),
+    "q4_k": (32, 256, 4),
+    "q5_k": (32, 256, 5),
+    "q6_k": (16, 256, 6),
+}
+# the formats' numbers in the kernels (a constexpr); 0 is a plain weight
+KERNEL_FORMAT = {"q8_0": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
+_CODE_DTYPE = {"q8_0": torch.int8, "fp8": torch.float8_e4m3fn}
+_SCALE_DTYPE = {"q8_0": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8, "q5_k": torch.uint8,
+                "q6_k": torch.int8}
+
+
+def part_sizes(fmt: str, k: int) -> dict[str, int]:
+    """Each part's bytes in a row of k columns, in the record's order."""
+    group, superblock, bits = FORMATS[fmt]
+    sizes = {"codes": k if bits == 8 else k // 2}
+    if superblock:
+        sizes["supers"] = k // superblock * (4 if fmt in ("q4_k", "q5_k") else 2)
+    sizes["scales"] = k // group * {"q8_0": 2, "fp8": 4, "q4_k": 2, "q5_k": 2, "q6_k": 1}[fmt]
+    if fmt == "q5_k":
+        sizes["high"] = k // 8
+    elif fmt == "q6_k":
+        sizes["high"] = k // 4
+    return sizes
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    return sum(part_sizes(fmt, k).values())
+
+
+def packed_nbytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] weight packed in `fmt` (autoconfig's count)."""
+    return n * row_bytes(fmt, k)
+
+
+def _as_bytes(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(*lead, -1)
+
+
+class PackedWeight:
+    """A weight of `shape` [..., N, K] packed in `fmt`, as row records `data` [..., N, row_bytes] (see the module).
+
+    Made from its parts (`PackedWeight(fmt, shape, codes, scales, supers, high)`, each with the weight's leading
+    dimensions: codes [..., N, K or K/2], scales [..., N, K/group] (q4_k, q5_k: [..., N, K/32, 2]), supers
+    [..., N, K/256] (q4_k, q5_k: [..., N, K/256, 2]), high [..., N, K/8 or K/4]) or from `data`. `dtype`: the
+    activations' dtype, what a dequantized tile is rounded to."""
+
+    def __init__(self, fmt: str, shape: tuple[int, ...], codes: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None, supers: torch.Tensor | None = None,
+                 high: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
+                 data: torch.Tensor | None = None):
+        if fmt not in FORMATS:
+            raise ValueError(f"packed format {fmt!r} is unknown (known: {', '.join(FORMATS)})")
+        group, superblock, _ = FORMATS[fmt]
+        k = shape[-1]
+        if k % max(group, superblock):
+            raise ValueError(f"a {fmt} weight needs K a multiple of {max(group, superblock)}, got {k}")
+        self.fmt, self.shape, self.dtype = fmt, tuple(shape), dtype
+        lead = tuple(shape[:-1])
+        if data is None:
+            given = {"codes": codes, "supers": supers, "scales": scales, "high": high}
+            data = torch.cat([_as_bytes(given[name], lead) for name in part_sizes(fmt, k)], dim=-1)
+        if tuple(data.shape) != (*lead, row_bytes(fmt, k)) or data.dtype != torch.uint8:
+            raise ValueError(f"a {fmt} weight of shape {list(shape)} needs uint8 rows of {row_bytes(fmt, k)} bytes, "
+                             f"got {data.dtype} {list(data.shape)}")
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.fmt}, {list(self.shape)}, {self.dtype}, {self.device})"
+
+    def _part(self, name: str) -> torch.Tensor | None:
+        sizes = part_sizes(self.fmt, self.shape[-1])
+        if name not in sizes:
+            return None
+        start = 0
+        for part, size in sizes.items():
+            if part == name:
+                break
+            start += size
+        return self.data[..., start:start + sizes[name]]
+
+    @property
+    def codes(self) -> torch.Tensor:
+        codes = self._part("codes")
+        return codes.view(_CODE_DTYPE[self.fmt]) if self.fmt in _CODE_DTYPE else codes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        scales = self._part("scales").view(_SCALE_DTYPE[self.fmt])
+        return scales.unflatten(-1, (-1, 2)) if self.fmt in ("q4_k", "q5_k") else scales
+
+    @property
+    def supers(self) -> torch.Tensor | None:
+        supers = self._part("supers")
+        if supers is None:
+            return None
+        supers = supers.view(torch.float16)
+        return supers.unflatten(-1, (-1, 2)) if self.fmt in ("q4_k", "q5_k") else supers
+
+    @property
+    def high(self) -> torch.Tensor | None:
+        return self._part("high")
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def kernel_format(self) -> int:
+        return KERNEL_FORMAT[self.fmt]
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def _with(self, data: torch.Tensor, shape: tuple[int, ...] | None = None) -> "PackedWeight":
+        return PackedWeight(self.fmt, shape or (*data.shape[:-1], self.shape[-1]), dtype=self.dtype, data=data)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "PackedWeight":
+        """On `device`; `dtype` changes only the dtype tiles are rounded to (the bytes stay as they are)."""
+        out = self._with(self.data.to(device)) if device is not None else self
+        if dtype is not None:
+            out = PackedWeight(self.fmt, self.shape, dtype=dtype, data=out.data)
+        return out
+
+    def contiguous(self) -> "PackedWeight":
+        return self._with(self.data.contiguous())
+
+    def rows(self, index: torch.Tensor) -> "PackedWeight":
+        """The rows `index` (along N) of a 2-D weight."""
+        assert self.ndim == 2
+        return self._with(self.data.index_select(0, index.to(self.device)))
+
+    def index(self, index: torch.Tensor) -> "PackedWeight":
+        """Entries `index` along the leading (expert) dimension of a 3-D weight."""
+        assert self.ndim == 3
+        return self._with(self.data.index_select(0, index.to(self.device)))
+
+    def reshape_rows(self, *lead: int) -> "PackedWeight":
+        """The row dimensions regrouped: [N, K] -> [*lead, K] (prod(lead) = N), or back."""
+        return self._with(self.data.reshape(*lead, self.data.shape[-1]))
+
+
+def cat(parts: list[PackedWeight], dim: int = 0) -> PackedWeight:
+    """Packed weights of one format joined along a row dimension (0 for [N, K]; 1 for experts' [E, N, K])."""
+    first = parts[0]
+    assert all(p.fmt == first.fmt and p.shape[-1] == first.shape[-1] for p in parts), "one format and K"
+    assert dim < first.ndim - 1, "packed weights join along rows, not K"
+    return first._with(torch.cat([p.data for p in parts], dim))
+
+
+def stack(parts: list[PackedWeight]) -> PackedWeight:
+    """[N, K] packed weights of one format as [E, N, K]."""
+    return parts[0]._with(torch.stack([p.data for p in parts]))
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> [..., K] int32: each byte's low nibble, then its high one."""
+    c = codes.to(torch.int32)
+    return torch.stack([c & 15, c >> 4], dim=-1).flatten(-2)
+
+
+def _bits(high: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [..., K * width / 8] -> [..., K] int32: each byte's fields of `width` bits, lowest first."""
+    c = high.to(torch.int32)
+    shifts = torch.arange(0, 8, width, device=high.device, dtype=torch.int32)
+    return ((c[..., None] >> shifts) & ((1 << width) - 1)).flatten(-2)
+
+
+def _per_column(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=-1)
+
+
+def dequantize(w: PackedWeight | torch.Tensor) -> torch.Tensor:
+    """The float32 weight [..., N, K] a packed one stands for (a plain tensor is returned as float32)."""
+    if isinstance(w, torch.Tensor):
+        return w.float()
+    group, _, _ = FORMATS[w.fmt]
+    if w.fmt == "q8_0":
+        return _per_column(w.scales.float(), group) * w.codes.float()
+    if w.fmt == "fp8":
+        return w.codes.float() * _per_column(w.scales.float(), group)
+    if w.fmt in ("q4_k", "q5_k"):
+        code = _nibbles(w.codes)
+        if w.fmt == "q5_k":
+            code = code | (_bits(w.high, 1) << 4)
+        d, dmin = w.supers.float().unbind(-1)  # [..., N, K/256]
+        sc, mn = w.scales.float().unbind(-1)  # [..., N, K/32]
+        scale = _per_column(d, 256 // group) * sc
+        low = _per_column(dmin, 256 // group) * mn
+        return _per_column(scale, group) * code.float() - _per_column(low, group)
+    code = _nibbles(w.codes) | (_bits(w.high, 2) << 4)  # q6_k
+    scale = _per_column(w.supers.float(), 256 // group) * w.scales.float()
+    return _per_column(scale, group) * (code - 32).float()

@@ -1,0 +1,83 @@
+"""Packed weights read inside the Triton kernels (under the interpreter): each format's tiles dequantize to the
+float reference bit for bit, and a projection or an MoE block over a packed weight gives bitwise what it gives over
+the same weight dequantized to the activations' dtype (the same tiles, the same order)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from strata.kernels.linear import linear_split, linear_triton, split_k, CONFIGS  # noqa: E402
+from strata.kernels.moe import decode_tiles, moe_triton, prompt_tiles  # noqa: E402
+from strata.kernels.packed import dequantize_triton  # noqa: E402
+from strata.kernels.deferred import SplitSum, finish  # noqa: E402
+from strata.quant.packed import FORMATS, PackedWeight, dequantize, packed_nbytes  # noqa: E402
+from tests.packed_weights import random_packed  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_dequantize_to_the_reference(fmt):
+    for shape in [(48, 512), (3, 40, 256)]:
+        w = random_packed(fmt, shape)
+        want = dequantize(w)
+        assert want.abs().max() > 0 and torch.isfinite(want).all()
+        assert torch.equal(dequantize_triton(w, torch.float32), want)
+        assert torch.equal(dequantize_triton(w.to(dtype=torch.float16)), want.half())
+        assert w.nbytes() == packed_nbytes(fmt, shape[-2], shape[-1]) * (shape[0] if len(shape) == 3 else 1)
+
+
+def test_a_row_record_is_as_long_as_gguf_blocks():
+    """Bytes a 256-column row takes: GGUF's block sizes (q4_k, q5_k: their 6-bit scales unpacked, 4 bytes more)."""
+    assert {f: packed_nbytes(f, 1, 256) for f in FORMATS} == {"q8_0": 272, "fp8": 264, "q4_k": 148, "q5_k": 180,
+                                                             "q6_k": 210}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_projection_is_bitwise_the_dequantized_one(fmt, dtype):
+    # (40, 2048) splits K into chunks (its partial sums are what a reader adds), (48, 512) does not
+    for n, k in [(48, 512), (40, 2048)]:
+        w = random_packed(fmt, (n, k), seed=n, dtype=dtype)
+        plain = dequantize(w).to(dtype)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        block_n, block_k, _ = CONFIGS[dtype]
+        split = split_k(n, k, block_n, block_k)
+        out, want = linear_split(x, w), linear_split(x, plain)
+        assert isinstance(out, SplitSum) == (split > 1) == isinstance(want, SplitSum)
+        assert torch.equal(finish(out), finish(want))
+        torch.testing.assert_close(linear_triton(x, w).float(), x.float() @ dequantize(w).T, rtol=2e-2, atol=2e-3)
+        # a row's bits are the same alone
+        assert torch.equal(linear_triton(x[2:3], w), linear_triton(x, w)[2:3])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_experts_are_bitwise_the_dequantized_ones(fmt):
+    """Decode tiles (gate_up and down in one launch) and prompt tiles (two launches, pointer loads where the plain
+    weights take tensor descriptors), with a shared expert run as one more pair."""
+    dt = torch.float16
+    E, H, I, k = 6, 256, 512, 2
+    gu, dn = random_packed(fmt, (E, 2 * I, H), 1, dt), random_packed(fmt, (E, H, I), 2, dt)
+    shared = (random_packed(fmt, (2 * I, H), 3, dt), random_packed(fmt, (H, I), 4, dt))
+    plain = [dequantize(w).to(dt) for w in (gu, dn, *shared)]
+    g = torch.Generator().manual_seed(0)
+    router = torch.randn(E, H, generator=g).to(dt)
+    for rows, tiles in [(3, decode_tiles(3)), (40, prompt_tiles(dt))]:
+        x = torch.randn(rows, H, generator=g).to(dt)
+        out = moe_triton(x, router, gu, dn, k, True, shared, None, tiles=tiles, shared_pair=True)
+        want = moe_triton(x, router, plain[0], plain[1], k, True, tuple(plain[2:]), None, tiles=tiles,
+                          shared_pair=True)
+        assert out.abs().max() > 0 and torch.equal(out, want)
+
+
+def test_row_operations_act_on_whole_records():
+    w = random_packed("q4_k", (12, 512))
+    rows = torch.tensor([3, 0, 7])
+    assert torch.equal(dequantize(w.rows(rows)), dequantize(w)[rows])
+    e = random_packed("q6_k", (4, 8, 256))
+    assert torch.equal(dequantize(e.index(torch.tensor([2, 1]))), dequantize(e)[[2, 1]])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        PackedWeight("q4_k", (4, 100), data=torch.zeros(4, 10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8 rows of 148 bytes"):
+        PackedWeight("q4_k", (4, 256), data=torch.zeros(4, 144, dtype=torch.uint8))
