@@ -80,6 +80,10 @@ class EngineSettings(StrataSettings):
         "auto", description="kernels: triton (GPU default; prompt projections stay on torch GEMMs), torch references (CPU default)"
     )
     cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (with the triton kernels)")
+    dequantize_weights: bool = Field(
+        False, description="a quantized checkpoint's weights (GGUF Q8_0 / Q4_K / Q5_K / Q6_K, FP8) dequantized to "
+        "--dtype at load instead of kept packed for the triton kernels (more memory; for comparison)"
+    )
     layer_split: str | None = Field(
         None, description="layers per stage, e.g. 12,12,12,12 (or proportions, e.g. 3,2); stages on cuda:0..n-1"
     )
@@ -191,7 +195,7 @@ class EngineSettings(StrataSettings):
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    expert_residency=self.expert_residency,
+                    expert_residency=self.expert_residency, dequantize_weights=self.dequantize_weights,
                     lookahead=self.lookahead, checkpoint_every=self.checkpoint_every, speculative=parse_spec(
                         self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
                         if self.spec_max_active is None else self.spec_max_active))

@@ -90,17 +90,21 @@ def cases():
     import triton.language as tl
 
     from strata.kernels import attention, elementwise, gdn, linear, moe, qk_prep, rmsnorm, rope, sampling
+    from strata.quant.packed import KERNEL_FORMAT
 
     pdl = dict(PDL=True)
     f32 = "fp32"
     out = []
-    for n, k_dim, partial in [(5120, 2048, True), (128, 2048, True), (151936, 2048, False)]:
+    packed = {fmt: name for name, fmt in KERNEL_FORMAT.items()}  # each packed weight format's kernel variant
+    for n, k_dim, partial, fmt in [(5120, 2048, True, 0), (128, 2048, True, 0), (151936, 2048, False, 0),
+                                   *[(5120, 2048, True, f) for f in sorted(packed)], (151936, 2048, False, 3)]:
         bn, bk, stages = linear.CONFIGS[torch.bfloat16]
-        out.append((f"linear_kernel [{n}, {k_dim}]", linear.linear_kernel, dict(
-            constexprs=dict(HAS_BIAS=False, PARTIAL=partial, INPUT_PRECISION="tf32", BLOCK_M=linear.BLOCK_M,
-                            BLOCK_N=bn, BLOCK_K=bk, **pdl),
-            pointers=dict(p_out=f32 if partial else "bf16"), plain=("M",), ones=("stride_xk", "stride_wk"),
-            num_warps=linear.NUM_WARPS, num_stages=stages)))
+        label = f"linear_kernel [{n}, {k_dim}]" + (f" {packed[fmt]}" if fmt else "")
+        out.append((label, linear.linear_kernel, dict(
+            constexprs=dict(FMT=fmt, HAS_BIAS=False, PARTIAL=partial, INPUT_PRECISION="tf32",
+                            BLOCK_M=linear.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, **pdl),
+            pointers=dict(p_out=f32 if partial else "bf16", **({"p_w": "u8"} if fmt else {})), plain=("M",),
+            ones=("stride_xk", "stride_wk"), num_warps=linear.NUM_WARPS, num_stages=stages)))
     out.append(("_sum_chunks_kernel", linear._sum_chunks_kernel, dict(
         constexprs=dict(SPLIT=4, HAS_BIAS=False, BLOCK=1024, **pdl), pointers=dict(p_part=f32))))
     layout = dict(BM=16, BLOCK_P=16, PAIR_BITS=4, BLOCK_S=1024, DONE=True)
@@ -120,17 +124,24 @@ def cases():
     t = moe.DECODE_TILES
     expert_ptrs = dict(p_route=f32, p_y=f32, p_pair="i32", p_expert="i32", p_done="i32", p_used="i32")
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **pdl)
-    for shared in (False, True):
-        out.append((f"_experts_kernel (one launch){' shared pair' if shared else ''}", moe._experts_kernel, dict(
-            constexprs=dict(SHARED=shared, K_TOP=8, DOWN_N=t.down_n, DOWN_K=t.down_k or t.block_k, **tiles),
-            pointers=expert_ptrs, plain=("P", "E", "GATE_UP_PROGRAMS"), ones=("s_guk", "s_dk"),
-            num_warps=t.num_warps, num_stages=t.num_stages)))
-    out.append(("_gate_up_kernel", moe._gate_up_kernel, dict(
-        constexprs=dict(SHARED=False, K_TOP=8, PERSISTENT=False, TMA=False, **tiles), pointers=expert_ptrs,
-        plain=("P", "E"), ones=("s_wk",), num_warps=t.num_warps, num_stages=t.num_stages)))
-    out.append(("_down_kernel", moe._down_kernel, dict(
-        constexprs=dict(SHARED=False, PERSISTENT=False, TMA=False, **dict(tiles, BLOCK_N=t.down_n)),
-        pointers=expert_ptrs, plain=("P", "E"), ones=("s_wk",), num_warps=t.num_warps, num_stages=t.num_stages)))
+    packed_experts = dict(p_wgu="u8", p_sgu="u8", p_wd="u8", p_sd="u8")
+    for shared, fmt in [(False, 0), (True, 0), *[(False, f) for f in sorted(packed)], (True, 3)]:
+        label = f"_experts_kernel (one launch){' shared pair' if shared else ''}" + (f" {packed[fmt]}" if fmt else "")
+        out.append((label, moe._experts_kernel, dict(
+            constexprs=dict(SHARED=shared, K_TOP=8, DOWN_N=t.down_n, DOWN_K=t.down_k or t.block_k, FMT=fmt,
+                            **tiles),
+            pointers=dict(expert_ptrs, **(packed_experts if fmt else {})), plain=("P", "E", "GATE_UP_PROGRAMS"),
+            ones=("s_guk", "s_dk"), num_warps=t.num_warps, num_stages=t.num_stages)))
+    for fmt in (0, 3):
+        suffix, weights = (f" {packed[fmt]}", dict(p_w="u8", p_sw="u8")) if fmt else ("", {})
+        out.append(("_gate_up_kernel" + suffix, moe._gate_up_kernel, dict(
+            constexprs=dict(SHARED=False, K_TOP=8, PERSISTENT=False, TMA=False, FMT=fmt, **tiles),
+            pointers=dict(expert_ptrs, **weights), plain=("P", "E"), ones=("s_wk",), num_warps=t.num_warps,
+            num_stages=t.num_stages)))
+        out.append(("_down_kernel" + suffix, moe._down_kernel, dict(
+            constexprs=dict(SHARED=False, PERSISTENT=False, TMA=False, FMT=fmt, **dict(tiles, BLOCK_N=t.down_n)),
+            pointers=dict(expert_ptrs, **weights), plain=("P", "E"), ones=("s_wk",), num_warps=t.num_warps,
+            num_stages=t.num_stages)))
     out.append(("_combine_kernel", moe._combine_kernel, dict(
         constexprs=dict(K_TOP=8, BLOCK_TOP=8, SHARED=0, SPLIT_S=0, SPLIT_G=0, BLOCK_N=t.combine_n, **pdl),
         pointers=dict(p_y=f32, p_ids="i32"), plain=("E",))))
@@ -227,13 +238,16 @@ def cases():
         plain=("P", "E"), num_warps=8)))
     pt = moe.PROMPT_TILES  # with pointer loads (the descriptors' path takes tensor-descriptor arguments)
     prompt_tiles = dict(BLOCK_M=pt.block_m, BLOCK_K=pt.block_k, SHARED=False, TMA=False)
-    out.append(("_gate_up_kernel (prompt tiles)", moe._gate_up_kernel, dict(
-        constexprs=dict(K_TOP=8, BLOCK_N=pt.block_n, PERSISTENT=False, **prompt_tiles, PDL=False),
-        pointers=expert_ptrs, plain=("P", "E"), ones=("s_wk",), num_warps=pt.num_warps, num_stages=pt.num_stages)))
-    out.append(("_down_kernel (prompt tiles, walked)", moe._down_kernel, dict(
-        constexprs=dict(BLOCK_N=pt.down_n, PERSISTENT=True, **prompt_tiles, PDL=False),
-        pointers=dict(expert_ptrs, p_y="bf16"), plain=("P", "E"), ones=("s_wk",), num_warps=pt.num_warps,
-        num_stages=pt.down_stages)))
+    for fmt in (0, 3):
+        suffix, weights = (f" {packed[fmt]}", dict(p_w="u8", p_sw="u8")) if fmt else ("", {})
+        out.append(("_gate_up_kernel (prompt tiles)" + suffix, moe._gate_up_kernel, dict(
+            constexprs=dict(K_TOP=8, BLOCK_N=pt.block_n, PERSISTENT=False, FMT=fmt, **prompt_tiles, PDL=False),
+            pointers=dict(expert_ptrs, **weights), plain=("P", "E"), ones=("s_wk",), num_warps=pt.num_warps,
+            num_stages=pt.num_stages)))
+        out.append(("_down_kernel (prompt tiles, walked)" + suffix, moe._down_kernel, dict(
+            constexprs=dict(BLOCK_N=pt.down_n, PERSISTENT=True, FMT=fmt, **prompt_tiles, PDL=False),
+            pointers=dict(expert_ptrs, p_y="bf16", **weights), plain=("P", "E"), ones=("s_wk",),
+            num_warps=pt.num_warps, num_stages=pt.down_stages)))
     return [(label, "decode" if i < decode else "prompt", kernel, kw) for i, (label, kernel, kw) in enumerate(out)]
 
 

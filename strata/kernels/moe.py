@@ -18,7 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import packed_tile
+from strata.kernels.packed import packed_tile, plain_weight, project
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -35,7 +35,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return weights.to(x.dtype), ids
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = project) -> torch.Tensor:
     """x: [R, H]; gate_up: [2I, H] (gate rows then up rows); down: [H, I]."""
     return linear(silu_mul(linear(x, gate_up)), down)
 
@@ -43,7 +43,9 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: L
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    rows: Rows = plain) -> torch.Tensor:
     """Each row's top-k experts, weighted and summed. gate_up: [E, 2I, H]; down: [E, H, I]. Returns [R, H].
-    An id >= E names an expert not held here (the CPU expert pool computes it): its pair adds nothing."""
+    An id >= E names an expert not held here (the CPU expert pool computes it): its pair adds nothing. Packed
+    experts are written out whole first (this reference is not the path a GPU's windows take)."""
+    gate_up, down = plain_weight(gate_up, x.dtype), plain_weight(down, x.dtype)
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -75,7 +77,7 @@ def moe(
     """The MoE block over rows x [R, H]: routed experts plus the (optionally sigmoid-gated) shared expert."""
     weights, ids = rows(route, x, router, top_k, norm_topk)
     out = routed_experts(x, weights, ids, gate_up, down, rows)
-    return add_shared_expert(out, x, shared, shared_gate, lambda *a: rows(swiglu, *a), lambda *a: rows(F.linear, *a))
+    return add_shared_expert(out, x, shared, shared_gate, lambda *a: rows(swiglu, *a), lambda *a: rows(project, *a))
 
 
 def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared, shared_gate, run_swiglu, run_linear) -> torch.Tensor:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from strata.errors import CheckpointError
 from strata.model.quantization import read_quantization
 from strata.model.tokenizer import Tokenizer
+from strata.quant.packed import PackedWeight
 
 
 class Checkpoint(Protocol):
@@ -109,6 +110,23 @@ class SafetensorsCheckpoint:
         if self.quantization is not None and scale in self._files:  # FP8 blocks: dequantized as read
             return self.quantization.dequantize(tensor, self._read(self._files[scale], scale), name).to(dtype)
         return tensor.to(dtype)
+
+    def load_packed(self, name: str, dtype: torch.dtype = torch.bfloat16) -> PackedWeight | None:
+        """An FP8 weight kept quantized (`strata.quant.packed`'s fp8: its codes, one scale per row and 128 columns),
+        when its blocks are 128 columns wide; None for any other tensor (`load` it)."""
+        scale = f"{name}_scale_inv"
+        if self.quantization is None or scale not in self._files or self.quantization.block[1] != 128:
+            return None
+        weight = self._read(self._files[name], name)
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.shape[1] % 128:
+            return None  # `load` says what is wrong with it, or reads it dequantized
+        scales = self.quantization.row_scales(weight, self._read(self._files[scale], scale), name)
+        return PackedWeight("fp8", tuple(weight.shape), weight.contiguous(), scales, dtype=dtype)
+
+    def qtype_name(self, name: str) -> str:
+        """How the tensor is stored (its dtype), for the load's summary."""
+        file = self._files.get(name)
+        return str(self._read(file, name).dtype).removeprefix("torch.") if file is not None else "?"
 
     def _read(self, file: Path, name: str) -> torch.Tensor:
         handle = self._handles.get(file)

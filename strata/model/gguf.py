@@ -32,6 +32,9 @@ from tokenizers.models import BPE
 from strata.errors import CheckpointError
 from strata.model import gguf_hybrid as hybrid
 from strata.model.tokenizer import Tokenizer as StrataTokenizer
+from strata.quant.gguf_blocks import SUPPORTED as SUPPORTED_BLOCKS
+from strata.quant.gguf_blocks import from_gguf
+from strata.quant.packed import PackedWeight
 
 # GGUF architecture -> (transformers model_type, architectures entry); the hybrid ones: `strata.model.gguf_hybrid`
 _ARCHS = {
@@ -388,6 +391,28 @@ class GGUFCheckpoint:
         if not weight.flags.writeable or not weight.flags.c_contiguous:
             weight = np.array(weight, order="C")  # F32 data is a view of the read-only map
         return torch.from_numpy(weight).to(dtype)
+
+    def load_packed(self, name: str, dtype: torch.dtype = torch.bfloat16) -> PackedWeight | None:
+        """The tensor kept quantized (`strata.quant.packed`), when its GGUF type has a packed form (Q8_0, Q4_K, Q5_K,
+        Q6_K) and it is stored as transformers reads it (or with its rows reordered); else None (`load` it).
+        `dtype`: the activations' dtype its tiles are rounded to."""
+        source = self._source(name)
+        info = source.parts[0]
+        if len(source.parts) != 1 or info.qtype not in SUPPORTED_BLOCKS or len(info.shape) not in (2, 3):
+            return None
+        rows = None
+        if source.undo is not None:
+            if self.arch not in _PERMUTED_QK or len(info.shape) != 2:
+                return None  # a conversion other than a row order: read dequantized
+            order = np.arange(info.shape[0])[:, None]
+            rows = torch.from_numpy(np.ascontiguousarray(source.undo(order)[:, 0]))
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        weight = from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape, dtype)
+        return weight.rows(rows) if rows is not None else weight
+
+    def qtype_name(self, name: str) -> str:
+        """The GGUF type the tensor is stored in (e.g. 'Q4_K'), for the load's summary."""
+        return "+".join(sorted({info.qtype.name for info in self._source(name).parts}))
 
     def tokenizer(self) -> "StrataTokenizer":
         parts = self.tokenizer_parts()

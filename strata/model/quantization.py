@@ -31,14 +31,20 @@ class Fp8Blocks:
             raise CheckpointError(f"{name}: has a scale but its dtype is {weight.dtype}, not float8_e4m3fn")
         if weight.dim() != 2:
             raise CheckpointError(f"{name}: an FP8 weight of shape {tuple(weight.shape)}; expected [out, in]")
+        bi = self.block[1]
+        cols = weight.shape[1]
+        scale = self.row_scales(weight, scale_inv, name).repeat_interleave(bi, 1)[:, :cols]
+        return weight.float() * scale
+
+    def row_scales(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "") -> torch.Tensor:
+        """The block scales repeated for each row of their blocks: [O, ceil(I / bi)] float32."""
         bo, bi = self.block
         rows, cols = weight.shape
         want = (-(-rows // bo), -(-cols // bi))
         if tuple(scale_inv.shape) != want:
             raise CheckpointError(f"{name}_scale_inv: shape {tuple(scale_inv.shape)}, expected {want} for a "
                                   f"{rows} x {cols} weight in blocks of {bo} x {bi}")
-        scale = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
-        return weight.float() * scale
+        return scale_inv.float().repeat_interleave(bo, 0)[:rows].contiguous()
 
 
 def read_quantization(config: dict, where: str) -> Fp8Blocks | None:

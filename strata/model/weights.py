@@ -13,10 +13,17 @@ Neutral names per layer (shapes in torch orientation, [out, in]):
              only, expert_slot [E] int32 maps a global id to its slot (M: not here), and `offloaded` holds the
              rest on the host (`strata.experts.residency.split_experts`).
 Only the named layers are read, so a stage holds no tensor of another stage's layers.
+
+With `packed`, the projections, experts and head of a quantized checkpoint (GGUF Q8_0 / Q4_K / Q5_K / Q6_K, FP8
+blocks of 128 columns) stay quantized as `PackedWeight`s, which the Triton kernels read (`strata.kernels.packed`);
+a tensor of another type, a fused tensor whose parts differ in type, the embedding and the router are dequantized
+at load, and the load's log line says how many tensors went which way.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +32,15 @@ from strata.errors import CheckpointError
 from strata.model.checkpoint import Checkpoint
 from strata.model.families import Family
 from strata.model.spec import ModelSpec
+from strata.quant import packed as pk
+from strata.quant.packed import PackedWeight
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor | PackedWeight]
+log = logging.getLogger("strata.engine")
+
+
+def _nbytes(t: torch.Tensor | PackedWeight) -> int:
+    return t.nbytes() if isinstance(t, PackedWeight) else t.numel() * t.element_size()
 
 
 @dataclass
@@ -41,7 +55,7 @@ class StageWeights:
 
     def host_nbytes(self) -> int:
         """Bytes of the experts kept in host RAM for the CPU pool (not counted by `nbytes`)."""
-        return sum(t.numel() * t.element_size() for layer in self.offloaded.values() for t in layer.values())
+        return sum(_nbytes(t) for layer in self.offloaded.values() for t in layer.values())
 
     def nbytes(self) -> int:
         seen, total = set(), 0
@@ -50,14 +64,52 @@ class StageWeights:
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+                total += _nbytes(t)
         return total
 
 
 class _Reader:
-    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, packed: bool = False):
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
         self.names = set(ckpt.names())
+        self.packed = packed and hasattr(ckpt, "load_packed")
+        self.kept = Counter()  # stored type -> matrices kept packed
+        self.dequantized = Counter()  # stored type -> matrices dequantized at load (with `packed`)
+
+    def matrix(self, name: str, shape: tuple[int, ...], device: torch.device | None = None,
+               packed: bool = True) -> torch.Tensor | PackedWeight:
+        """A projection's or experts' weight: packed when the reader packs and the checkpoint stores it so."""
+        if not (self.packed and packed):
+            return self.get(name, shape, device=device)
+        if name not in self.names:
+            raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
+        w = self.ckpt.load_packed(name, self.dtype)
+        kind = self.ckpt.qtype_name(name)
+        if w is None:
+            self.dequantized[kind] += 1
+            return self.get(name, shape, device=device)
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+        self.kept[kind] += 1
+        return w.to(device or self.device)
+
+    def cat(self, parts: list, dim: int = 0) -> torch.Tensor | PackedWeight:
+        """Weights joined along rows: packed when every part is packed alike, else all dequantized."""
+        if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
+            return pk.cat(parts, dim)
+        if any(isinstance(p, PackedWeight) for p in parts):
+            self.dequantized["mixed types"] += sum(isinstance(p, PackedWeight) for p in parts)
+        return torch.cat([self.plain(p) for p in parts], dim)
+
+    def plain(self, w: torch.Tensor | PackedWeight) -> torch.Tensor:
+        return pk.dequantize(w).to(self.dtype) if isinstance(w, PackedWeight) else w
+
+    def summary(self) -> str | None:
+        if not self.packed or not (self.kept or self.dequantized):
+            return None
+        say = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
+        return f"weights kept quantized on the device: {say(self.kept)}; dequantized at load: {say(self.dequantized)}"
 
     def has(self, name: str) -> bool:
         return name in self.names
@@ -83,11 +135,11 @@ def _attention(r: _Reader, p: str, spec: ModelSpec, offset: float) -> Tensors:
     q_out = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
     kv_out = a.num_kv_heads * a.head_dim
     w = {
-        "qkv": torch.cat(
-            [r.get(f"{p}q_proj.weight", (q_out, hidden)), r.get(f"{p}k_proj.weight", (kv_out, hidden)),
-             r.get(f"{p}v_proj.weight", (kv_out, hidden))]
+        "qkv": r.cat(
+            [r.matrix(f"{p}q_proj.weight", (q_out, hidden)), r.matrix(f"{p}k_proj.weight", (kv_out, hidden)),
+             r.matrix(f"{p}v_proj.weight", (kv_out, hidden))]
         ),
-        "o": r.get(f"{p}o_proj.weight", (hidden, a.num_heads * a.head_dim)),
+        "o": r.matrix(f"{p}o_proj.weight", (hidden, a.num_heads * a.head_dim)),
     }
     if r.has(f"{p}q_proj.bias"):
         w["qkv_bias"] = torch.cat(
@@ -106,15 +158,17 @@ def _gdn(r: _Reader, p: str, spec: ModelSpec, family: Family) -> Tensors:
         # rows grouped per key head: [q | k | v (Hv/Hk heads) | z (Hv/Hk heads)], and [b | a] likewise
         per = hv // g.num_k_heads
         sizes = [g.k_head_dim, g.k_head_dim, per * g.v_head_dim, per * g.v_head_dim]
-        qkvz = r.get(f"{p}in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, hidden))
-        q, k, v, z = (t.reshape(-1, hidden) for t in qkvz.reshape(g.num_k_heads, sum(sizes), hidden).split(sizes, 1))
-        ba = r.get(f"{p}in_proj_ba.weight", (2 * hv, hidden))
-        b, a = (t.reshape(-1, hidden) for t in ba.reshape(g.num_k_heads, 2 * per, hidden).split([per, per], 1))
-        in_proj = torch.cat([q, k, v, z, b, a])
+        qkvz = r.matrix(f"{p}in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, hidden))
+        ba = r.matrix(f"{p}in_proj_ba.weight", (2 * hv, hidden))
+        # the rows regrouped: [q | k | v | z] of every key head, then [b | a] likewise
+        order = torch.cat([t.reshape(-1) for t in torch.arange(qkvz.shape[0]).reshape(g.num_k_heads, -1).split(sizes, 1)])
+        order_ba = torch.cat([t.reshape(-1) for t in torch.arange(2 * hv).reshape(g.num_k_heads, -1).split([per, per], 1)])
+        in_proj = r.cat([_take_rows(qkvz, order), _take_rows(ba, order_ba)])
     else:
-        in_proj = torch.cat(
-            [r.get(f"{p}in_proj_qkv.weight", (g.conv_dim, hidden)), r.get(f"{p}in_proj_z.weight", (g.value_dim, hidden)),
-             r.get(f"{p}in_proj_b.weight", (hv, hidden)), r.get(f"{p}in_proj_a.weight", (hv, hidden))]
+        in_proj = r.cat(
+            [r.matrix(f"{p}in_proj_qkv.weight", (g.conv_dim, hidden)),
+             r.matrix(f"{p}in_proj_z.weight", (g.value_dim, hidden)),
+             r.matrix(f"{p}in_proj_b.weight", (hv, hidden)), r.matrix(f"{p}in_proj_a.weight", (hv, hidden))]
         )
     return {
         "in_proj": in_proj.contiguous(),
@@ -122,27 +176,40 @@ def _gdn(r: _Reader, p: str, spec: ModelSpec, family: Family) -> Tensors:
         "neg_a": -r.get(f"{p}A_log", (hv,), torch.float32).exp(),
         "dt_bias": r.get(f"{p}dt_bias", (hv,), torch.float32),
         "norm": r.get(f"{p}norm.weight", (g.v_head_dim,), torch.float32),
-        "out": r.get(f"{p}out_proj.weight", (hidden, g.value_dim)),
+        "out": r.matrix(f"{p}out_proj.weight", (hidden, g.value_dim)),
     }
 
 
-def _swiglu(r: _Reader, p: str, hidden: int, dim: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    gate_up = torch.cat([r.get(f"{p}gate_proj.weight", (dim, hidden), device=device),
-                         r.get(f"{p}up_proj.weight", (dim, hidden), device=device)])
-    return gate_up, r.get(f"{p}down_proj.weight", (hidden, dim), device=device)
+def _take_rows(w: torch.Tensor | PackedWeight, order: torch.Tensor) -> torch.Tensor | PackedWeight:
+    return w.rows(order) if isinstance(w, PackedWeight) else w[order.to(w.device)]
 
 
-def _experts(r: _Reader, p: str, spec: ModelSpec, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu(r: _Reader, p: str, hidden: int, dim: int, device: torch.device | None = None,
+            packed: bool = True) -> tuple:
+    gate_up = r.cat([r.matrix(f"{p}gate_proj.weight", (dim, hidden), device, packed),
+                     r.matrix(f"{p}up_proj.weight", (dim, hidden), device, packed)])
+    return gate_up, r.matrix(f"{p}down_proj.weight", (hidden, dim), device, packed)
+
+
+def _experts(r: _Reader, p: str, spec: ModelSpec, device: torch.device | None = None, packed: bool = True) -> tuple:
+    """`packed` False: read dequantized (experts split between the device and the CPU pool)."""
     m, hidden = spec.moe, spec.hidden_size
     e, i = m.num_experts, m.expert_dim
     if r.has(f"{p}gate_up_proj"):  # fused 3-D tensors
-        return r.get(f"{p}gate_up_proj", (e, 2 * i, hidden), device=device), r.get(f"{p}down_proj", (e, hidden, i), device=device)
+        return (r.matrix(f"{p}gate_up_proj", (e, 2 * i, hidden), device, packed),
+                r.matrix(f"{p}down_proj", (e, hidden, i), device, packed))
     if r.has(f"{p}gate_proj"):  # stacked 3-D tensors (GGUF)
-        gate_up = torch.cat([r.get(f"{p}gate_proj", (e, i, hidden), device=device),
-                             r.get(f"{p}up_proj", (e, i, hidden), device=device)], dim=1)
-        return gate_up, r.get(f"{p}down_proj", (e, hidden, i), device=device)
-    pairs = [_swiglu(r, f"{p}{x}.", hidden, i, device) for x in range(e)]
-    return torch.stack([gu for gu, _ in pairs]), torch.stack([d for _, d in pairs])
+        gate_up = r.cat([r.matrix(f"{p}gate_proj", (e, i, hidden), device, packed),
+                         r.matrix(f"{p}up_proj", (e, i, hidden), device, packed)], dim=1)
+        return gate_up, r.matrix(f"{p}down_proj", (e, hidden, i), device, packed)
+    pairs = [_swiglu(r, f"{p}{x}.", hidden, i, device, packed) for x in range(e)]
+    return _stack(r, [gu for gu, _ in pairs]), _stack(r, [d for _, d in pairs])
+
+
+def _stack(r: _Reader, parts: list) -> torch.Tensor | PackedWeight:
+    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
+        return pk.stack(parts)
+    return torch.stack([r.plain(p) for p in parts])
 
 
 def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str, resident: tuple[int, ...] | None = None,
@@ -160,7 +227,8 @@ def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str, resident: tuple[int, ..
     else:  # read on the host, so the device never holds more than the resident experts
         from strata.experts.residency import split_experts
 
-        on_device, on_host = split_experts(*_experts(r, f"{p}experts.", spec, torch.device("cpu")), resident, r.device)
+        on_device, on_host = split_experts(*_experts(r, f"{p}experts.", spec, torch.device("cpu"), packed=False),
+                                           resident, r.device)
         w |= on_device
         offloaded.update(on_host)
     if m.shared_dim:
@@ -182,14 +250,16 @@ def load_stage_weights(
     last: bool = True,
     trim: bool = True,
     resident: dict[int, tuple[int, ...]] | None = None,
+    packed: bool = False,
 ) -> StageWeights:
     """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last).
 
     Without `trim`, a stage also holds every other layer's dense tensors (all but the routed experts), as an
     untrimmed stage of the original system did: they are never used, only held (`--trim-stage-weights` off).
     `resident`: for MoE layers that keep only some experts on `device`, their ids (`strata.experts.residency`);
-    the other experts go to `StageWeights.offloaded` in host RAM."""
-    r = _Reader(ckpt, device, dtype)
+    the other experts go to `StageWeights.offloaded` in host RAM. `packed`: quantized weights stay quantized where
+    the checkpoint allows (the module's docstring)."""
+    r = _Reader(ckpt, device, dtype, packed)
     pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
     resident = resident or {}
     offloaded: dict[int, Tensors] = {}
@@ -219,11 +289,13 @@ def load_stage_weights(
                 raise CheckpointError(f"{ckpt.path}: tensor 'lm_head.weight' is missing and the config does not tie embeddings")
             weights.lm_head = weights.embed
         else:
-            weights.lm_head = r.get("lm_head.weight", embed_shape)
+            weights.lm_head = r.matrix("lm_head.weight", embed_shape)
         weights.mtp = {n: r.get(n, dtype=torch.int64 if n == "mtp.draft_vocab" else None)
                        for n in sorted(r.names) if n.startswith("mtp.")}
         if not first and spec.tie_embeddings:
             weights.embed = None  # the last stage keeps only the head
+    if (said := r.summary()) is not None:
+        log.info("%s", said)
     return weights
 
 

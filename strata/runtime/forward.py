@@ -13,6 +13,7 @@ from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, moe, swiglu
+from strata.kernels.packed import project
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin
 from strata.model.rope_scaling import rope_frequencies
@@ -113,7 +114,7 @@ class Forward:
             return x.new_zeros(0, self.weights.lm_head.shape[0], dtype=torch.float32)
         rows = _rows_for(window)
         h = rows(self.norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
-        return rows(F.linear, h, self.weights.lm_head).float()  # [N, V]
+        return rows(project, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
         return self.run_stage(window)
@@ -199,7 +200,7 @@ class Forward:
         """positions: the window's on this stage's device, as `layers` holds them (read once per window)."""
         a = self.spec.attention
         r = x.shape[0]
-        q, k, v, gate = split_qkv(a, rows(F.linear, x, w["qkv"], w.get("qkv_bias")))
+        q, k, v, gate = split_qkv(a, rows(project, x, w["qkv"], w.get("qkv_bias")))
         if a.qk_norm:
             q = rows(self.norm, q, w["q_norm"], self.spec.rms_eps)
             k = rows(self.norm, k, w["k_norm"], self.spec.rms_eps)
@@ -215,12 +216,12 @@ class Forward:
         out = _joined(outs).reshape(r, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(r, -1))
-        return rows(F.linear, out, w["o"])
+        return rows(project, out, w["o"])
 
     def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, rows) -> torch.Tensor:
         g = self.spec.gdn
         r = x.shape[0]
-        proj = rows(F.linear, x, w["in_proj"])
+        proj = rows(project, x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
         decay, beta = self.gdn_gates(a, b, w["neg_a"], w["dt_bias"])  # [R, Hv]: log decay (float32), beta
         outs = []
@@ -245,7 +246,7 @@ class Forward:
                 state.keep(seg.first_pos, i)
             outs.append(seg_out)
         out = self.gated_norm(_joined(outs), z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
-        return rows(F.linear, out.reshape(r, -1), w["out"])
+        return rows(project, out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x: torch.Tensor, rows) -> torch.Tensor:
         if self.spec.layers[i].mlp == "dense":

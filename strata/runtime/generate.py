@@ -49,13 +49,15 @@ class Engine:
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
                  park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
                  checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None,
-                 expert_residency: str = "fixed"):
+                 expert_residency: str = "fixed", dequantize_weights: bool = False):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
         `park_dir`, `park_disk_gb`: a folder where they are also written, and its budget (`strata.state.park_disk`;
         None: no disk tier), found again by a later engine.
         `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
-        state before each prompt's last token is always kept); None turns checkpoints off."""
+        state before each prompt's last token is always kept); None turns checkpoints off.
+        `dequantize_weights`: a quantized checkpoint's weights written out in `dtype` at load even where the Triton
+        kernels would read them packed (`strata.kernels.packed`; the torch kernels always dequantize)."""
         if expert_residency not in MODES:
             raise StrataError(f"--expert-residency {expert_residency!r}: expected one of {', '.join(MODES)}")
         self.expert_residency_mode = expert_residency  # "hot": `refresh_experts` follows the traffic
@@ -110,7 +112,9 @@ class Engine:
             elif weights is not None:
                 w = place_experts(weights, resident, stage_device)
             else:
-                w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident)
+                # the Triton kernels read quantized weights packed (`strata.kernels.packed`)
+                w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident,
+                               packed=kernels == "triton" and not dequantize_weights)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             forward = Forward(self.spec, w, stage_device, dtype, kernels, graphs,
                               pack_pools=False if expert_residency == "hot" else None)  # swapped experts: plain
