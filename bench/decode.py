@@ -13,6 +13,15 @@ by each kernel's own GPU time, which overlaps the next kernel's under programmat
 
     python bench/decode.py --shape qwen3-30b-a3b --concurrency 1,8,32,64
     python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64 --chain 1
+
+`--weights q4_k` (q8_0, q5_k, q6_k, fp8) adds the same weights quantized by the project's own packer
+(`strata.quant.online`) and kept packed on the GPU (`strata.kernels.packed`): its tok/s beside bf16's and beside
+the roofline over the packed bytes, both engines' weight memory, and, on a model of `--check-layers` layers of the
+shape, one prompt window's logits packed (bf16) against the same dequantized weights in float32, bitwise against
+the same weights dequantized at load in bf16, and the quantization's own effect (the float32 logits of the
+dequantized weights against the original ones).
+
+    python bench/decode.py --weights q4_k --concurrency 1,8,32,64 --skip-transformers --skip-checks
 """
 
 from __future__ import annotations
@@ -68,24 +77,60 @@ def hf_model(shape: str, num_layers: int | None, device: str):
     return model
 
 
-def strata_engine(model, device: str, max_cells: int = 1024):
+def strata_engine(model, device: str, max_cells: int = 1024, weights: str = "bf16", dtype=torch.bfloat16,
+                  dequantize: bool = False):
+    """Strata on `model`'s weights: shared (bf16), or quantized in `weights` as they load and kept packed (unless
+    `dequantize`: the same quantized weights written out in `dtype`)."""
     from strata.model.checkpoint import StateDictCheckpoint
     from strata.model.families import build_spec
     from strata.model.weights import load_stage_weights
+    from strata.quant.online import QuantizingCheckpoint
     from strata.runtime.generate import Engine
 
     config = model.config.to_dict()
     ckpt = StateDictCheckpoint(config, dict(model.state_dict()))
+    if weights != "bf16":
+        ckpt = QuantizingCheckpoint(ckpt, weights)
     family, spec = build_spec(config, "bench")
-    weights = load_stage_weights(ckpt, family, spec, range(spec.num_layers), torch.device(device), torch.bfloat16)
+    w = load_stage_weights(ckpt, family, spec, range(spec.num_layers), torch.device(device), dtype,
+                           packed=weights != "bf16")
+    if dequantize:
+        from strata.quant.packed import PackedWeight, dequantize as written_out
+
+        plain = lambda t: written_out(t).to(dtype) if isinstance(t, PackedWeight) else t  # noqa: E731
+        w.layers = {i: {name: plain(t) for name, t in layer.items()} for i, layer in w.layers.items()}
+        w.lm_head = plain(w.lm_head)
     # parking off: the checks compare fresh reads (a reused prefix reads its last token again on the decode path)
-    return Engine(None, device=device, dtype=torch.bfloat16, max_cells=max_cells, spec=spec, weights=weights, park_gb=0)
+    return Engine(None, device=device, dtype=dtype, max_cells=max_cells, spec=spec, weights=w, park_gb=0)
+
+
+def check_packed(shape: str, layers: int, fmt: str, device: str) -> str:
+    """On a `layers`-layer model of the shape: one 64-token prompt window's logits, packed in bf16, against the
+    dequantized weights in float32 (the reference), and so on (see the module)."""
+    model = hf_model(shape, layers, device)
+    prompt = [(3 + 7919 * j) % model.config.vocab_size for j in range(64)]
+    run = lambda e: e.run(e.new_state(), prompt, all_logits=True).float()  # noqa: E731
+    packed = run(strata_engine(model, device, weights=fmt))
+    written = run(strata_engine(model, device, weights=fmt, dequantize=True))
+    reference = run(strata_engine(model, device, weights=fmt, dtype=torch.float32, dequantize=True))
+    original = run(strata_engine(model.float(), device, dtype=torch.float32))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    agree = lambda a, b: (a.argmax(-1) == b.argmax(-1)).float().mean().item()  # noqa: E731
+    del model
+    torch.cuda.empty_cache()
+    return (f"{fmt} on {layers} layers, one 64-token prompt window: packed bf16 vs the dequantized float32 "
+            f"reference: relative error {rel(packed, reference):.2e}, argmax agrees at {agree(packed, reference):.0%}; "
+            f"packed == dequantized at load (bf16) bitwise: {'yes' if torch.equal(packed, written) else 'NO'}; "
+            f"the quantization itself (float32, dequantized vs original weights): relative error "
+            f"{rel(reference, original):.2e}, argmax agrees at {agree(reference, original):.0%}")
 
 
 def step_bytes(engine, rows: int, context: int, distinct_experts: float) -> float:
     """Bytes one decode step over `rows` conversations at `context` positions must read."""
+    from strata.quant.packed import PackedWeight
+
     spec, w = engine.spec, engine.weights
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    size = lambda t: t.nbytes() if isinstance(t, PackedWeight) else t.numel() * t.element_size()  # noqa: E731
     total = size(w.lm_head) + rows * spec.hidden_size * 2
     for i, layer in w.layers.items():
         for name, t in layer.items():
@@ -232,6 +277,9 @@ def main() -> None:
     p.add_argument("--max-cells", type=int, default=1024, help="K/V cells a conversation may hold (the decode "
                    "attention spreads rows past 512 cells over chunks: --prompt-len 8000 --max-cells 8192 for long contexts)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "q8_0", "q4_k", "q5_k", "q6_k", "fp8"],
+                   help="also time the weights quantized so and kept packed, beside bf16")
+    p.add_argument("--check-layers", type=int, default=4, help="layers of the model --weights' accuracy is checked on")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--profile", default="", help="row counts whose decode step is broken down by kernel, e.g. 1,8 "
                    "(with STRATA_PDL=0 in the environment each kernel's time is its own, not overlapped)")
@@ -240,6 +288,9 @@ def main() -> None:
     args = p.parse_args()
     device = "cuda"
 
+    if args.weights != "bf16":
+        print(check_packed(args.shape, args.check_layers, args.weights, device), flush=True)
+        return time_packed(args, device)
     model = hf_model(args.shape, args.layers, device)
     engine = strata_engine(model, device, args.max_cells)
     spec = engine.spec
@@ -288,6 +339,43 @@ def main() -> None:
             print_chain_table(lambda: slots.commit_slots(slots.run_slots()), title, spec.num_layers)
         else:
             print_kernel_table(lambda: slots.commit_slots(slots.run_slots()), title, top=20, steps=8)
+
+
+def time_packed(args, device: str) -> None:
+    """bf16 and `args.weights` packed, side by side, each against its own roofline."""
+    model = hf_model(args.shape, args.layers, device)
+    bf16 = strata_engine(model, device, args.max_cells)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    packed = strata_engine(model, device, args.max_cells, weights=args.weights)
+    torch.cuda.synchronize()
+    spec, bw = bf16.spec, copy_bandwidth(device)
+    print(f"{args.shape}, {spec.num_layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}; copy "
+          f"bandwidth {bw / 1e12:.2f} TB/s; weights: bf16 {bf16.weights.nbytes() / 1e9:.2f} GB, {args.weights} "
+          f"{packed.weights.nbytes() / 1e9:.2f} GB (its engine allocated {(torch.cuda.memory_allocated() - before) / 1e9:.2f} GB "
+          f"with {args.max_cells} cells a slot before its first window)")
+    print(f"{'conv':>5} {'bf16 tok/s':>11} {'of roofline':>12} {args.weights + ' tok/s':>11} {'of roofline':>12} "
+          f"{'vs bf16':>8} {'packed roofline':>16}")
+    for rows in [int(c) for c in args.concurrency.split(",")]:
+        experts = distinct_experts(spec, rows)
+        context = args.prompt_len + args.tokens // 2
+        roof_b = rows * bw / step_bytes(bf16, rows, context, experts)
+        roof_p = rows * bw / step_bytes(packed, rows, context, experts)
+        b = time_strata(bf16, rows, args.tokens, args.prompt_len)
+        q = time_strata(packed, rows, args.tokens, args.prompt_len)
+        print(f"{rows:>5} {b:11.1f} {b / roof_b:11.0%} {q:11.1f} {q / roof_p:11.0%} {q / b:7.2f}x {roof_p:16.1f}",
+              flush=True)
+    for rows in [int(c) for c in args.chain.split(",") if c]:
+        slots = packed.init_slots(rows)
+        for i in range(rows):
+            slots.admit_now(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
+                            stop_ids=frozenset())
+        for _ in range(2):  # capture
+            slots.commit_slots(slots.run_slots())
+        floor = step_bytes(packed, rows, args.prompt_len, distinct_experts(spec, rows)) / bw
+        print_chain_table(lambda: slots.commit_slots(slots.run_slots()),
+                          f"{args.weights} decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)",
+                          spec.num_layers)
 
 
 if __name__ == "__main__":

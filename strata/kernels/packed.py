@@ -21,27 +21,35 @@ from strata.quant.packed import PackedWeight
 
 
 @triton.jit
-def _per_group(p_g, m_n, k0, K, GROUP: tl.constexpr, STEP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BN, BLOCK_K] (or [BN, 1] where a group spans the tile): each column's group value, for groups of
-    GROUP columns whose values lie STEP elements apart from p_g ([BN, 1] pointers, one per row). One load per
-    group, not per column: a tile's pointers stay [BN, groups], which keeps the decode kernels in registers."""
-    if BLOCK_K > GROUP:  # k0 is a multiple of BLOCK_K, so groups start at the tile's start
-        o_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        v = tl.load(p_g + o_g[None, :] * STEP, mask=m_n[:, None] & (o_g * GROUP < K)[None, :], other=0)
-        v = v.to(tl.float32)  # [BN, G]
-        return tl.reshape(tl.broadcast_to(v[:, :, None], [v.shape[0], BLOCK_K // GROUP, GROUP]),
-                          [v.shape[0], BLOCK_K])
-    else:  # the whole tile lies in one group
-        return tl.load(p_g + (k0 // GROUP) * STEP, mask=m_n[:, None] & (k0 < K), other=0).to(tl.float32)
+def _load3(p_r, m_n, start, stride, limit, G: tl.constexpr, C: tl.constexpr):
+    """[BN, G, C] from each row's record p_r ([BN, 1] pointers): element start + g * stride + c (< limit, else 0)."""
+    o = start + tl.arange(0, G)[:, None] * stride + tl.arange(0, C)[None, :]  # [G, C]
+    return tl.load(p_r[:, :, None] + o[None, :, :], mask=m_n[:, None, None] & (o < limit)[None, :, :], other=0)
 
 
 @triton.jit
-def _spread_bits(b, WIDTH: tl.constexpr):
-    """uint8 [BN, C] -> int32 [BN, C * 8 / WIDTH]: each byte's fields of WIDTH bits, lowest first."""
-    PER: tl.constexpr = 8 // WIDTH
-    shifts = tl.arange(0, PER) * WIDTH
-    f = (b.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << WIDTH) - 1)
-    return tl.reshape(f, [b.shape[0], b.shape[1] * PER])
+def _per_group(p_g, m_n, k0, K, GROUP: tl.constexpr, STEP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr):
+    """float32 [BN, G, 1]: the value, for each run of TG columns from k0, of the GROUP-column group holding it
+    (values STEP elements apart from p_g, [BN, 1] pointers)."""
+    o_g = (k0 + tl.arange(0, G) * TG) // GROUP
+    v = tl.load(p_g + o_g[None, :] * STEP, mask=m_n[:, None] & (o_g * GROUP < K)[None, :], other=0)
+    return v.to(tl.float32)[:, :, None]
+
+
+@triton.jit
+def _bits8(b):
+    """uint8 [..., C] -> int32 [..., 8C]: each byte's eight bits, lowest first (register shuffles, no memory)."""
+    b = b.to(tl.int32)
+    even = tl.interleave(tl.interleave(b & 1, (b >> 4) & 1), tl.interleave((b >> 2) & 1, (b >> 6) & 1))
+    odd = tl.interleave(tl.interleave((b >> 1) & 1, (b >> 5) & 1), tl.interleave((b >> 3) & 1, b >> 7))
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _bits2(b):
+    """uint8 [..., C] -> int32 [..., 4C]: each byte's four 2-bit fields, lowest first."""
+    b = b.to(tl.int32)
+    return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, b >> 6))
 
 
 @triton.jit
@@ -49,42 +57,47 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, FMT: tl.constexpr, BLOCK_K: tl.cons
     """float32 [BN, BLOCK_K]: w[o_n, k0 + j] of a packed weight whose row records (`strata.quant.packed`) start at
     p_w (uint8), s_row bytes apart (o_n: int64 row indices [BN], masked by m_n; columns past K read as 0). K: the
     weight's columns (the record's parts are placed by it); k0: a multiple of BLOCK_K, a power of two. FMT:
-    `strata.quant.packed.KERNEL_FORMAT`. The scales are loaded once per group and spread over its columns; the
-    products are those of `strata.quant.packed.dequantize` (exact in float32, so the same bits)."""
-    o_k = k0 + tl.arange(0, BLOCK_K)
-    m = m_n[:, None] & (o_k < K)[None, :]  # [BN, BK]
+    `strata.quant.packed.KERNEL_FORMAT`.
+
+    The tile is built as [BN, G, TG]: G runs of TG columns, each inside one scale group, so a group's scale is
+    one load broadcast over its run, and codes split from their bytes by register shuffles (interleave); one
+    reshape gives [BN, BLOCK_K]. The products are those of `strata.quant.packed.dequantize` (exact in float32,
+    so the same bits)."""
     p_r = p_w + o_n[:, None] * s_row  # [BN, 1] each row's record
-    if FMT == 1:  # q8_0: codes [K] | scales f16 [K/32]
-        b_q = tl.load(p_r + o_k[None, :], mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        w = _per_group((p_r + K).to(tl.pointer_type(tl.float16)), m_n, k0, K, 32, 1, BLOCK_K) * b_q
-    elif FMT == 2:  # fp8: codes [K] | scales f32 [K/128]
-        b_q = tl.load(p_r + o_k[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w = b_q * _per_group((p_r + K).to(tl.pointer_type(tl.float32)), m_n, k0, K, 128, 1, BLOCK_K)
+    if FMT == 1 or FMT == 2:  # q8_0: codes i8 [K] | scales f16 [K/32]; fp8: codes e4m3 [K] | scales f32 [K/128]
+        GS: tl.constexpr = 32 if FMT == 1 else 128
+        TG: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
+        G: tl.constexpr = BLOCK_K // TG
+        b_q = _load3(p_r, m_n, k0, TG, K, G, TG)
+        if FMT == 1:
+            s = _per_group((p_r + K).to(tl.pointer_type(tl.float16)), m_n, k0, K, GS, 1, TG, G)
+            w = s * b_q.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            s = _per_group((p_r + K).to(tl.pointer_type(tl.float32)), m_n, k0, K, GS, 1, TG, G)
+            w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
     else:
-        # the low four bits: a byte holds two columns; each byte is loaded once and split
-        o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        b_b = tl.load(p_r + o_b[None, :], mask=m_n[:, None] & (o_b < K // 2)[None, :], other=0)
-        b_c = tl.interleave(b_b & 15, b_b >> 4).to(tl.int32)  # [BN, BK]
+        GS: tl.constexpr = 16 if FMT == 5 else 32
+        TG: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
+        G: tl.constexpr = BLOCK_K // TG
+        b_b = _load3(p_r, m_n, k0 // 2, TG // 2, K // 2, G, TG // 2)  # the low four bits, two columns a byte
+        b_c = tl.interleave(b_b & 15, b_b >> 4).to(tl.int32)  # [BN, G, TG]
         if FMT == 5:  # q6_k: codes [K/2] | d f16 [K/256] | scales i8 [K/16] | top bits [K/4]
             p_d = (p_r + K // 2).to(tl.pointer_type(tl.float16))
             p_s = (p_r + K // 2 + K // 128).to(tl.pointer_type(tl.int8))
-            o_h = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            b_hi = tl.load(p_r + K // 2 + K // 128 + K // 16 + o_h[None, :],
-                           mask=m_n[:, None] & (o_h < K // 4)[None, :], other=0)
-            b_c = b_c | (_spread_bits(b_hi, 2) << 4)
-            b_scale = _per_group(p_d, m_n, k0, K, 256, 1, BLOCK_K) * _per_group(p_s, m_n, k0, K, 16, 1, BLOCK_K)
+            b_hi = _load3(p_r + K // 2 + K // 128 + K // 16, m_n, k0 // 4, TG // 4, K // 4, G, TG // 4)
+            b_c = b_c | (_bits2(b_hi) << 4)
+            b_scale = _per_group(p_d, m_n, k0, K, 256, 1, TG, G) * _per_group(p_s, m_n, k0, K, 16, 1, TG, G)
             w = b_scale * (b_c - 32).to(tl.float32)
         else:  # q4_k, q5_k: codes [K/2] | (d, dmin) f16 [K/256, 2] | (scale, min) u8 [K/32, 2] | fifth bits [K/8]
             p_d = (p_r + K // 2).to(tl.pointer_type(tl.float16))
             p_s = p_r + K // 2 + K // 64
             if FMT == 4:
-                o_h = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                b_hi = tl.load(p_s + K // 16 + o_h[None, :], mask=m_n[:, None] & (o_h < K // 8)[None, :], other=0)
-                b_c = b_c | (_spread_bits(b_hi, 1) << 4)
-            b_scale = _per_group(p_d, m_n, k0, K, 256, 2, BLOCK_K) * _per_group(p_s, m_n, k0, K, 32, 2, BLOCK_K)
-            b_low = _per_group(p_d + 1, m_n, k0, K, 256, 2, BLOCK_K) * _per_group(p_s + 1, m_n, k0, K, 32, 2, BLOCK_K)
+                b_hi = _load3(p_s + K // 16, m_n, k0 // 8, TG // 8, K // 8, G, TG // 8)
+                b_c = b_c | (_bits8(b_hi) << 4)
+            b_scale = _per_group(p_d, m_n, k0, K, 256, 2, TG, G) * _per_group(p_s, m_n, k0, K, 32, 2, TG, G)
+            b_low = _per_group(p_d + 1, m_n, k0, K, 256, 2, TG, G) * _per_group(p_s + 1, m_n, k0, K, 32, 2, TG, G)
             w = b_scale * b_c.to(tl.float32) - b_low
-    return w  # masked columns and rows: 0 (their codes and scales load as 0)
+    return tl.reshape(w, [w.shape[0], BLOCK_K])  # masked columns and rows: 0 (their codes and scales load as 0)
 
 
 @triton.jit
