@@ -23,7 +23,9 @@ def _row_stable_interpreter_dot():
     some CPUs (AMD Zen here) sum a row differently by its position inside their register tile: the same row at
     tile row 0 and at tile row 5 comes out a few bits apart. A GPU's matrix instructions sum every row the same
     way, which is what the kernels' row-independence tests assert. `np.einsum` (no BLAS) sums each element in
-    one fixed order, so the interpreter keeps the property the hardware has."""
+    one fixed order, so the interpreter keeps the property the hardware has. einsum's order also follows its
+    operands' memory layout, and a tile transposed in registers (`tl.trans`) is a transposed numpy view: the
+    operands are made contiguous first, since a GPU's dot does not see how a tile came to be."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "InterpreterBuilder", None)
@@ -34,7 +36,8 @@ def _row_stable_interpreter_dot():
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.data.dtype != np.float32 or b.data.dtype != np.float32 or a.data.ndim != 2:
             return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        product = np.einsum("mk,kn->mn", a.data, b.data, dtype=d.data.dtype)
+        a_, b_ = np.ascontiguousarray(a.data), np.ascontiguousarray(b.data)
+        product = np.einsum("mk,kn->mn", a_, b_, dtype=d.data.dtype)
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
     builder.create_dot = create_dot

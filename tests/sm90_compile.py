@@ -125,11 +125,13 @@ def cases():
     expert_ptrs = dict(p_route=f32, p_y=f32, p_pair="i32", p_expert="i32", p_done="i32", p_used="i32")
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **pdl)
     packed_experts = dict(p_wgu="u8", p_sgu="u8", p_wd="u8", p_sd="u8")
-    for shared, fmt in [(False, 0), (True, 0), *[(False, f) for f in sorted(packed)], (True, 3)]:
+    for shared, fmt, down_fmt in [(False, 0, 0), (True, 0, 0), *[(False, f, f) for f in sorted(packed)],
+                                  (True, 3, 3), (False, 3, 5)]:  # the last: Q4_K_M's experts (q4_k, down q6_k)
         label = f"_experts_kernel (one launch){' shared pair' if shared else ''}" + (f" {packed[fmt]}" if fmt else "")
+        label += f" down {packed[down_fmt]}" if down_fmt != fmt else ""
         out.append((label, moe._experts_kernel, dict(
             constexprs=dict(SHARED=shared, K_TOP=8, DOWN_N=t.down_n, DOWN_K=t.down_k or t.block_k, FMT=fmt,
-                            **tiles),
+                            DOWN_FMT=down_fmt, **tiles),
             pointers=dict(expert_ptrs, **(packed_experts if fmt else {})), plain=("P", "E", "GATE_UP_PROGRAMS"),
             ones=("s_guk", "s_dk"), num_warps=t.num_warps, num_stages=t.num_stages)))
     for fmt in (0, 3):

@@ -29,16 +29,20 @@ def test_tiles_dequantize_to_the_reference(fmt):
 
 
 def test_a_row_record_is_as_long_as_gguf_blocks():
-    """Bytes a 256-column row takes: GGUF's block sizes (q4_k, q5_k: their 6-bit scales unpacked, 4 bytes more)."""
-    assert {f: packed_nbytes(f, 1, 256) for f in FORMATS} == {"q8_0": 272, "fp8": 264, "q4_k": 148, "q5_k": 180,
-                                                             "q6_k": 210}
+    """Bytes a row takes: GGUF's block sizes (q4_k, q5_k: their 6-bit scales unpacked, 4 bytes more per 256
+    columns), padded to 16 bytes (the 30B shape's rows: 2048 columns, none; its experts' down rows, 768, 4 bytes)."""
+    assert {f: packed_nbytes(f, 1, 2048) for f in FORMATS} == {"q8_0": 2176, "fp8": 2112, "q4_k": 1184,
+                                                              "q5_k": 1440, "q6_k": 1680}
+    assert {f: packed_nbytes(f, 1, 768) for f in FORMATS} == {"q8_0": 816, "fp8": 800, "q4_k": 448, "q5_k": 544,
+                                                             "q6_k": 640}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_projection_is_bitwise_the_dequantized_one(fmt, dtype):
-    # (40, 2048) splits K into chunks (its partial sums are what a reader adds), (48, 512) does not
-    for n, k in [(48, 512), (40, 2048)]:
+    # (40, 2048) splits K into chunks (its partial sums are what a reader adds), (48, 512) does not; (24, 768):
+    # rows padded to 16 bytes, parts at offsets that are not multiples of 16
+    for n, k in [(48, 512), (40, 2048), (24, 768)]:
         w = random_packed(fmt, (n, k), seed=n, dtype=dtype)
         plain = dequantize(w).to(dtype)
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dtype)
@@ -79,5 +83,5 @@ def test_row_operations_act_on_whole_records():
     assert torch.equal(dequantize(e.index(torch.tensor([2, 1]))), dequantize(e)[[2, 1]])
     with pytest.raises(ValueError, match="multiple of 256"):
         PackedWeight("q4_k", (4, 100), data=torch.zeros(4, 10, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="uint8 rows of 148 bytes"):
+    with pytest.raises(ValueError, match="uint8 rows of 160 bytes"):
         PackedWeight("q4_k", (4, 256), data=torch.zeros(4, 144, dtype=torch.uint8))

@@ -430,7 +430,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
                     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr,
-                    FMT: tl.constexpr = 0):
+                    FMT: tl.constexpr = 0, DOWN_FMT: tl.constexpr = 0):
     """Both products in one launch (ExpertTiles.handoff). Programs below GATE_UP_PROGRAMS compute one gate_up tile
     each (as `_gate_up_kernel`) and then count it done for their pair tile (p_done[tile], zeroed by the layout);
     the programs after them compute one down tile each (as `_down_kernel`) once every gate_up tile of their pair
@@ -459,7 +459,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
-                       BLOCK_M, DOWN_N, DOWN_K, False, True, FMT)
+                       BLOCK_M, DOWN_N, DOWN_K, False, True, DOWN_FMT)
 
 
 @triton.jit
@@ -734,8 +734,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     assert shared is None or shared_fits(shared, gate_up, down), \
         "the shared expert's gate_up and down must have the routed experts' shapes and strides"
     s_gate_up, s_down = (_stored(w) for w in (shared if shared is not None else (gate_up, down)))
-    _, fmt = _format(gate_up)
-    assert _format(down)[1] == fmt, "gate_up and down packed alike"
+    fmt, down_fmt = _format(gate_up)[1], _format(down)[1]  # each packed or not on its own (Q4_K_M: q4_k, q6_k)
     gate_up, down = _stored(gate_up), _stored(down)  # from here on, what the kernels address
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
@@ -757,8 +756,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         return (max_blocks, triton.cdiv(columns, block_n))
 
     t_down = dict(t, BLOCK_N=tiles.down_n or tiles.block_n, BLOCK_K=tiles.down_k or tiles.block_k,
-                  PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages)
-    tma = tiles.tma and shared is None and fmt == 0 and all(  # the descriptors' rules: contiguous, 16-byte aligned rows
+                  PERSISTENT=down_persistent > 0, num_stages=tiles.down_stages or tiles.num_stages, FMT=down_fmt)
+    tma = tiles.tma and shared is None and fmt == 0 and down_fmt == 0 and all(  # the descriptors' rules: contiguous, 16-byte aligned rows
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0 for w in (gate_up, down))
     w_gate_up, w_down = gate_up, down
     if tma:
@@ -776,7 +775,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         _experts_kernel[(gate_up_programs + max_blocks * triton.cdiv(H, t_down["BLOCK_N"]),)](
             x, gate_up, s_gate_up, h, down, s_down, route, y, pair_of_slot, expert_of_block, done, P, E, H, I,
             x.stride(0), *gate_up.stride(), *down.stride(), gate_up_programs, K_TOP=k, DOWN_N=t_down["BLOCK_N"],
-            DOWN_K=t_down["BLOCK_K"], **t, **pdl(x))
+            DOWN_K=t_down["BLOCK_K"], DOWN_FMT=down_fmt, **t, **pdl(x))
     else:
         _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
             x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0),

@@ -28,28 +28,23 @@ def _load3(p_r, m_n, start, stride, limit, G: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _per_group(p_g, m_n, k0, K, GROUP: tl.constexpr, STEP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr):
-    """float32 [BN, G, 1]: the value, for each run of TG columns from k0, of the GROUP-column group holding it
-    (values STEP elements apart from p_g, [BN, 1] pointers)."""
-    o_g = (k0 + tl.arange(0, G) * TG) // GROUP
-    v = tl.load(p_g + o_g[None, :] * STEP, mask=m_n[:, None] & (o_g * GROUP < K)[None, :], other=0)
-    return v.to(tl.float32)[:, :, None]
+def _word(p_r, b, m):
+    """int32 [BN, G]: the 32-bit word of each row's record (p_r: [BN, 1], 16-byte aligned) holding byte b ([G]).
+    Scales are read as words, not as the bytes or halves they are: the compiler prefetches a loop's loads a few
+    iterations ahead only when each thread's load is 4 bytes or more (a narrower one would wait every step)."""
+    return tl.load(p_r.to(tl.pointer_type(tl.int32)) + (b // 4)[None, :], mask=m, other=0)
 
 
 @triton.jit
-def _bits8(b):
-    """uint8 [..., C] -> int32 [..., 8C]: each byte's eight bits, lowest first (register shuffles, no memory)."""
-    b = b.to(tl.int32)
-    even = tl.interleave(tl.interleave(b & 1, (b >> 4) & 1), tl.interleave((b >> 2) & 1, (b >> 6) & 1))
-    odd = tl.interleave(tl.interleave((b >> 1) & 1, (b >> 5) & 1), tl.interleave((b >> 3) & 1, b >> 7))
-    return tl.interleave(even, odd)
+def _field(p_r, b, m, SIZE: tl.constexpr):
+    """int32 [BN, G]: the unsigned SIZE-byte fields (1 or 2, inside one word) at byte offsets b of each record."""
+    return (_word(p_r, b, m) >> ((b % 4) * 8)[None, :]) & ((1 << (8 * SIZE)) - 1)
 
 
 @triton.jit
-def _bits2(b):
-    """uint8 [..., C] -> int32 [..., 4C]: each byte's four 2-bit fields, lowest first."""
-    b = b.to(tl.int32)
-    return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, b >> 6))
+def _half(f):
+    """float16 bits (int32) -> float32."""
+    return f.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -59,44 +54,50 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, FMT: tl.constexpr, BLOCK_K: tl.cons
     weight's columns (the record's parts are placed by it); k0: a multiple of BLOCK_K, a power of two. FMT:
     `strata.quant.packed.KERNEL_FORMAT`.
 
-    The tile is built as [BN, G, TG]: G runs of TG columns, each inside one scale group, so a group's scale is
-    one load broadcast over its run, and codes split from their bytes by register shuffles (interleave); one
-    reshape gives [BN, BLOCK_K]. The products are those of `strata.quant.packed.dequantize` (exact in float32,
-    so the same bits)."""
+    The tile is built as [BN, G, TG]: G runs of TG columns, each inside one scale group, so a run's scale is one
+    value broadcast over its columns, codes split from their bytes by register shuffles (interleave) and high
+    bits from one word per run by shifts; one reshape gives [BN, BLOCK_K]. The products are those of
+    `strata.quant.packed.dequantize` (exact in float32, so the same bits)."""
     p_r = p_w + o_n[:, None] * s_row  # [BN, 1] each row's record
     if FMT == 1 or FMT == 2:  # q8_0: codes i8 [K] | scales f16 [K/32]; fp8: codes e4m3 [K] | scales f32 [K/128]
         GS: tl.constexpr = 32 if FMT == 1 else 128
         TG: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
         G: tl.constexpr = BLOCK_K // TG
+        o_run = k0 + tl.arange(0, G) * TG  # each run's first column
+        m = m_n[:, None] & (o_run < K)[None, :]  # [BN, G]
         b_q = _load3(p_r, m_n, k0, TG, K, G, TG)
         if FMT == 1:
-            s = _per_group((p_r + K).to(tl.pointer_type(tl.float16)), m_n, k0, K, GS, 1, TG, G)
-            w = s * b_q.to(tl.int8, bitcast=True).to(tl.float32)
+            s = _half(_field(p_r, K + (o_run // GS) * 2, m, 2))
+            w = s[:, :, None] * b_q.to(tl.int8, bitcast=True).to(tl.float32)
         else:
-            s = _per_group((p_r + K).to(tl.pointer_type(tl.float32)), m_n, k0, K, GS, 1, TG, G)
-            w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+            s = _word(p_r, K + (o_run // GS) * 4, m).to(tl.float32, bitcast=True)
+            w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
     else:
         GS: tl.constexpr = 16 if FMT == 5 else 32
         TG: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
         G: tl.constexpr = BLOCK_K // TG
+        o_run = k0 + tl.arange(0, G) * TG
+        m = m_n[:, None] & (o_run < K)[None, :]
+        o_j = tl.arange(0, TG)[None, None, :]  # a column's place in its run
         b_b = _load3(p_r, m_n, k0 // 2, TG // 2, K // 2, G, TG // 2)  # the low four bits, two columns a byte
         b_c = tl.interleave(b_b & 15, b_b >> 4).to(tl.int32)  # [BN, G, TG]
-        if FMT == 5:  # q6_k: codes [K/2] | d f16 [K/256] | scales i8 [K/16] | top bits [K/4]
-            p_d = (p_r + K // 2).to(tl.pointer_type(tl.float16))
-            p_s = (p_r + K // 2 + K // 128).to(tl.pointer_type(tl.int8))
-            b_hi = _load3(p_r + K // 2 + K // 128 + K // 16, m_n, k0 // 4, TG // 4, K // 4, G, TG // 4)
-            b_c = b_c | (_bits2(b_hi) << 4)
-            b_scale = _per_group(p_d, m_n, k0, K, 256, 1, TG, G) * _per_group(p_s, m_n, k0, K, 16, 1, TG, G)
-            w = b_scale * (b_c - 32).to(tl.float32)
+        o_sup = o_run // 256  # each run's super-block
+        if FMT == 5:  # q6_k: codes [K/2] | top bits [K/4] | d f16 [K/256] | scales i8 [K/16]
+            b_hi = _word(p_r, K // 2 + o_run // 4, m)  # a run's 16 columns' top two bits: one word
+            b_c = b_c | (((b_hi[:, :, None] >> (o_j * 2)) & 3) << 4)
+            d = _half(_field(p_r, K // 2 + K // 4 + o_sup * 2, m, 2))
+            sc = _field(p_r, K // 2 + K // 4 + K // 128 + o_run // 16, m, 1).to(tl.int8).to(tl.float32)
+            w = (d * sc)[:, :, None] * (b_c - 32).to(tl.float32)
         else:  # q4_k, q5_k: codes [K/2] | (d, dmin) f16 [K/256, 2] | (scale, min) u8 [K/32, 2] | fifth bits [K/8]
-            p_d = (p_r + K // 2).to(tl.pointer_type(tl.float16))
-            p_s = p_r + K // 2 + K // 64
             if FMT == 4:
-                b_hi = _load3(p_s + K // 16, m_n, k0 // 8, TG // 8, K // 8, G, TG // 8)
-                b_c = b_c | (_bits8(b_hi) << 4)
-            b_scale = _per_group(p_d, m_n, k0, K, 256, 2, TG, G) * _per_group(p_s, m_n, k0, K, 32, 2, TG, G)
-            b_low = _per_group(p_d + 1, m_n, k0, K, 256, 2, TG, G) * _per_group(p_s + 1, m_n, k0, K, 32, 2, TG, G)
-            w = b_scale * b_c.to(tl.float32) - b_low
+                b_hi = _word(p_r, K // 2 + K // 64 + K // 16 + o_run // 8, m)  # a run's 32 fifth bits: one word
+                b_c = b_c | (((b_hi[:, :, None] >> o_j) & 1) << 4)
+            d = _half(_field(p_r, K // 2 + o_sup * 4, m, 2))
+            dmin = _half(_field(p_r, K // 2 + o_sup * 4 + 2, m, 2))
+            o_g = K // 2 + K // 64 + (o_run // 32) * 2
+            sc = _field(p_r, o_g, m, 1).to(tl.float32)
+            mn = _field(p_r, o_g + 1, m, 1).to(tl.float32)
+            w = (d * sc)[:, :, None] * b_c.to(tl.float32) - (dmin * mn)[:, :, None]
     return tl.reshape(w, [w.shape[0], BLOCK_K])  # masked columns and rows: 0 (their codes and scales load as 0)
 
 

@@ -75,6 +75,7 @@ class _Reader:
         self.packed = packed and hasattr(ckpt, "load_packed")
         self.kept = Counter()  # stored type -> matrices kept packed
         self.dequantized = Counter()  # stored type -> matrices dequantized at load (with `packed`)
+        self._stored = {}  # id of a packed matrix handed out -> its stored type (a fused one may undo it)
 
     def matrix(self, name: str, shape: tuple[int, ...], device: torch.device | None = None,
                packed: bool = True) -> torch.Tensor | PackedWeight:
@@ -92,14 +93,20 @@ class _Reader:
             raise CheckpointError(
                 f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
         self.kept[kind] += 1
-        return w.to(device or self.device)
+        w = w.to(device or self.device)
+        self._stored[id(w)] = kind
+        return w
 
     def cat(self, parts: list, dim: int = 0) -> torch.Tensor | PackedWeight:
         """Weights joined along rows: packed when every part is packed alike, else all dequantized."""
         if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
             return pk.cat(parts, dim)
-        if any(isinstance(p, PackedWeight) for p in parts):
-            self.dequantized["mixed types"] += sum(isinstance(p, PackedWeight) for p in parts)
+        for p in parts:
+            if isinstance(p, PackedWeight):  # counted as kept when read: it is not, after all
+                kind = self._stored.pop(id(p), None)
+                if kind is not None:
+                    self.kept -= Counter({kind: 1})
+                self.dequantized["mixed types"] += 1
         return torch.cat([self.plain(p) for p in parts], dim)
 
     def plain(self, w: torch.Tensor | PackedWeight) -> torch.Tensor:

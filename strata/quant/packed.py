@@ -11,13 +11,14 @@ one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts o
         [K/256, 2] (each 256 columns' d, dmin) | scales uint8 [K/32, 2] (each 32 columns' 6-bit scale, min):
                                                                          w = (f32(d) * scale) * code - f32(dmin) * min
   q5_k  q4_k's parts | high uint8 [K/8] (byte j: bit i is column 8j + i's fifth bit): code = nibble | bit << 4
-  q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | supers float16 [K/256] (d) | scales int8 [K/16] |
-        high uint8 [K/4] (byte j: bits 2i, 2i + 1 are column 4j + i's top two):
+  q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | high uint8 [K/4] (byte j: bits 2i, 2i + 1 are column
+        4j + i's top two) | supers float16 [K/256] (d) | scales int8 [K/16]:
                                                                          w = (f32(d) * scale) * (code - 32)
 
 A row record is as long as GGUF's blocks for the row (q4_k and q5_k: 4 bytes more per 256 columns, their 6-bit
-scales unpacked to bytes), so a kernel addresses any column with shifts and a load per part, and rows join, split
-and index like any tensor's (`cat`, `rows`, `index`): the loader fuses packed weights as it fuses float ones.
+scales unpacked to bytes), padded to 16 bytes, so a kernel addresses any column with shifts and a load per part,
+every row starts aligned, and rows join, split and index like any tensor's (`cat`, `rows`, `index`): the loader
+fuses packed weights as it fuses float ones.
 
 Every product above is exact in float32 (the factors' mantissas are short), so `dequantize` gives, bit for bit,
 what `gguf`'s dequantizer (and transformers' FP8 dequantization) gives; rounded to bfloat16 it is the weight a
@@ -48,18 +49,23 @@ def part_sizes(fmt: str, k: int) -> dict[str, int]:
     """Each part's bytes in a row of k columns, in the record's order."""
     group, superblock, bits = FORMATS[fmt]
     sizes = {"codes": k if bits == 8 else k // 2}
+    if fmt == "q6_k":  # its top bits next to the codes, so that they start at a 4-byte boundary for every k
+        sizes["high"] = k // 4
     if superblock:
         sizes["supers"] = k // superblock * (4 if fmt in ("q4_k", "q5_k") else 2)
     sizes["scales"] = k // group * {"q8_0": 2, "fp8": 4, "q4_k": 2, "q5_k": 2, "q6_k": 1}[fmt]
     if fmt == "q5_k":
         sizes["high"] = k // 8
-    elif fmt == "q6_k":
-        sizes["high"] = k // 4
     return sizes
 
 
+ROW_ALIGN = 16  # a row record's bytes are padded to a multiple of this
+
+
 def row_bytes(fmt: str, k: int) -> int:
-    return sum(part_sizes(fmt, k).values())
+    """A row record's bytes: its parts, padded to ROW_ALIGN so that every row starts 16-byte aligned (the kernels
+    load codes 16 bytes at a time and scales as 32-bit words)."""
+    return -(-sum(part_sizes(fmt, k).values()) // ROW_ALIGN) * ROW_ALIGN
 
 
 def packed_nbytes(fmt: str, n: int, k: int) -> int:
@@ -93,7 +99,11 @@ class PackedWeight:
         lead = tuple(shape[:-1])
         if data is None:
             given = {"codes": codes, "supers": supers, "scales": scales, "high": high}
-            data = torch.cat([_as_bytes(given[name], lead) for name in part_sizes(fmt, k)], dim=-1)
+            parts = [_as_bytes(given[name], lead) for name in part_sizes(fmt, k)]
+            pad = row_bytes(fmt, k) - sum(part.shape[-1] for part in parts)
+            if pad:
+                parts.append(parts[0].new_zeros(*lead, pad))
+            data = torch.cat(parts, dim=-1)
         if tuple(data.shape) != (*lead, row_bytes(fmt, k)) or data.dtype != torch.uint8:
             raise ValueError(f"a {fmt} weight of shape {list(shape)} needs uint8 rows of {row_bytes(fmt, k)} bytes, "
                              f"got {data.dtype} {list(data.shape)}")
