@@ -105,7 +105,8 @@ def _load(args: argparse.Namespace) -> tuple[MachineFacts, ModelFacts]:
             return machine, recorded.model
     else:
         machine = read_machine()
-    return machine, read_model(args.model or "default")
+    # on a GPU the Triton kernels keep quantized weights packed: they count at their packed size
+    return machine, read_model(args.model or "default", packed=bool(machine.gpus))
 
 
 def _calibrated(model_ref: str, facts: Facts, wishes: Wishes, windows: int) -> Proposal:

@@ -215,11 +215,12 @@ def _sysconf_ram() -> int:
 # ---------------------------------------------------------------------------------------------- model
 
 
-def read_model(path: str | Path, bytes_per_param: float = 2.0) -> ModelFacts:
+def read_model(path: str | Path, bytes_per_param: float = 2.0, packed: bool = False) -> ModelFacts:
     """Facts from a model's own files (a Hugging Face folder, a .gguf file, or `default`), reading no tensor data.
 
-    Tensor sizes come from the checkpoint's shapes at `bytes_per_param` (a GGUF file or an FP8 checkpoint counts
-    at its dequantized size: the engine holds it as bfloat16)."""
+    Tensor sizes come from the checkpoint's shapes at `bytes_per_param`. Quantized weights count at their
+    dequantized size, except with `packed` (the Triton kernels on a GPU keep them packed: `strata.quant.packed`)
+    for the matrices the loader keeps packed, which count at their packed size (`packed_sizes`)."""
     from strata.model.loader import ModelFiles
 
     files = ModelFiles.open(path)
@@ -228,10 +229,11 @@ def read_model(path: str | Path, bytes_per_param: float = 2.0) -> ModelFacts:
     expert = [0] * spec.num_layers
     dense = [0] * spec.num_layers
     embed = head = mtp = 0
+    kept = packed_sizes(ckpt, prefix) if packed else {}
     for name in ckpt.names():
         if name.endswith("_scale_inv"):  # FP8 block scales: folded into their weights as read, not held
             continue
-        size = int(math.prod(ckpt.shape(name)) * bytes_per_param)
+        size = kept.get(name) or int(math.prod(ckpt.shape(name)) * bytes_per_param)
         if (match := layer_re.fullmatch(name)) is not None:
             layer, rest = int(match[1]), match[2]
             if layer >= spec.num_layers:
@@ -253,6 +255,39 @@ def read_model(path: str | Path, bytes_per_param: float = 2.0) -> ModelFacts:
         name=str(path), **_spec_fields(spec, bytes_per_param), expert_bytes=expert, dense_bytes=dense,
         embed_bytes=embed, head_bytes=head, mtp_bytes=mtp,
     )
+
+
+_FUSED = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)")  # the loader joins these into one weight
+
+
+def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
+    """name -> bytes for the tensors the loader keeps packed (the checkpoint's `packed_format`): projections,
+    experts and the head, not the embedding or the router; parts the loader joins (q/k/v, gate/up) only when
+    all of them share one format (else the joined weight is dequantized)."""
+    from strata.quant.packed import packed_nbytes
+
+    if not hasattr(ckpt, "packed_format"):
+        return {}
+    fmt = {}
+    for name in ckpt.names():
+        if (name == f"{prefix}embed_tokens.weight" or name.startswith("mtp.")  # (the draft layer: plain)
+                or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))):
+            continue
+        if (f := ckpt.packed_format(name)) is not None:
+            fmt[name] = f
+    groups: dict[str, set] = {}
+    for name in ckpt.names():
+        if _FUSED.search(name):
+            key = _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name)
+            groups.setdefault(key, set()).add(fmt.get(name))
+    sizes = {}
+    for name, f in fmt.items():
+        key = _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name) if _FUSED.search(name) else None
+        if key is not None and len(groups[key]) > 1:
+            continue  # joined with a part of another format: dequantized
+        *lead, n, k = ckpt.shape(name)
+        sizes[name] = packed_nbytes(f, n, k) * math.prod(lead)
+    return sizes
 
 
 def model_facts_from_spec(spec, bytes_per_param: float = 2.0, name: str | None = None) -> ModelFacts:

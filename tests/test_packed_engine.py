@@ -353,10 +353,17 @@ def test_load_summary_line(gguf_model, engines):
     assert not [line for line in plain_log if line.startswith("weights kept")]
 
 
-def test_packed_weights_take_fewer_bytes(engines):
+def test_packed_weights_take_fewer_bytes(gguf_model, engines):
     packed, plain = (engine.weights.nbytes() for engine, _ in engines)
     # float32 matrices are 4 bytes a value, the packed ones about 0.6 to 1.1
     assert packed < 0.5 * plain, (packed, plain)
+    # autoconfig counts what each engine holds: packed (a GPU's Triton kernels) or dequantized, float32 here
+    from autoconfig.facts import read_model
+
+    for held, kept in [(packed, True), (plain, False)]:
+        facts = read_model(gguf_model[1], bytes_per_param=4, packed=kept)
+        counted = sum(facts.dense_bytes) + sum(facts.expert_bytes) + facts.embed_bytes + facts.head_bytes
+        assert counted == held, (kept, counted, held)
 
 
 # FP8 blocks of 128 x 128: every matrix's K a multiple of 128 (the packed fp8 form's scale group)
@@ -376,11 +383,11 @@ def fp8_engines(tmp_path_factory):
     assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied: the head is the embedding
     packed, packed_log = make_engine(folder, kernels="triton")
     plain, plain_log = make_engine(folder, kernels="triton", dequantize_weights=True)
-    return packed, plain, packed_log, plain_log, ref.eval()
+    return packed, plain, packed_log, plain_log, ref.eval(), folder
 
 
 def test_fp8_packed_is_bitwise_the_dequantized_engine(fp8_engines):
-    packed, plain, packed_log, plain_log, ref = fp8_engines
+    packed, plain, packed_log, plain_log, ref, folder = fp8_engines
     tokens = [int(t) for t in torch.randint(0, VOCAB, (STEPS,), generator=torch.Generator().manual_seed(0))]
     got, want = decode(packed, tokens), decode(plain, tokens)
     assert got.abs().max() > 0 and torch.equal(got, want)
@@ -399,3 +406,9 @@ def test_fp8_packed_is_bitwise_the_dequantized_engine(fp8_engines):
         "dequantized at load: none"]
     assert not [line for line in plain_log if line.startswith("weights kept")]
     assert packed.weights.nbytes() < plain.weights.nbytes()
+    from autoconfig.facts import read_model
+
+    for engine, kept in [(packed, True), (plain, False)]:  # autoconfig counts what each engine holds
+        facts = read_model(folder, bytes_per_param=4, packed=kept)
+        counted = sum(facts.dense_bytes) + sum(facts.expert_bytes) + facts.embed_bytes + facts.head_bytes
+        assert counted == engine.weights.nbytes() + (facts.embed_bytes if facts.tie_embeddings else 0), kept

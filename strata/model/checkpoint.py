@@ -111,22 +111,37 @@ class SafetensorsCheckpoint:
             return self.quantization.dequantize(tensor, self._read(self._files[scale], scale), name).to(dtype)
         return tensor.to(dtype)
 
-    def load_packed(self, name: str, dtype: torch.dtype = torch.bfloat16) -> PackedWeight | None:
-        """An FP8 weight kept quantized (`strata.quant.packed`'s fp8: its codes, one scale per row and 128 columns),
-        when its blocks are 128 columns wide; None for any other tensor (`load` it)."""
+    def packed_format(self, name: str) -> str | None:
+        """"fp8" where `load_packed` keeps the tensor quantized (e4m3 with block scales 128 columns wide, 2-D), else
+        None; reads the file's header, not the tensor."""
         scale = f"{name}_scale_inv"
         if self.quantization is None or scale not in self._files or self.quantization.block[1] != 128:
             return None
-        weight = self._read(self._files[name], name)
-        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.shape[1] % 128:
+        shape = self.shape(name)
+        if self.qtype_name(name) != "float8_e4m3fn" or len(shape) != 2 or shape[1] % 128:
             return None  # `load` says what is wrong with it, or reads it dequantized
+        return "fp8"
+
+    def load_packed(self, name: str, dtype: torch.dtype = torch.bfloat16) -> PackedWeight | None:
+        """An FP8 weight kept quantized (`strata.quant.packed`'s fp8: its codes, one scale per row and 128 columns),
+        when `packed_format` says so; None for any other tensor (`load` it)."""
+        if self.packed_format(name) is None:
+            return None
+        scale = f"{name}_scale_inv"
+        weight = self._read(self._files[name], name)
         scales = self.quantization.row_scales(weight, self._read(self._files[scale], scale), name)
         return PackedWeight("fp8", tuple(weight.shape), weight.contiguous(), scales, dtype=dtype)
 
     def qtype_name(self, name: str) -> str:
         """How the tensor is stored (its dtype), for the load's summary."""
         file = self._files.get(name)
-        return str(self._read(file, name).dtype).removeprefix("torch.") if file is not None else "?"
+        if file is None:
+            return "?"
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(file, "pt")
+        stored = handle.get_slice(name).get_dtype()  # safetensors' name (F8_E4M3, BF16, ...), from the header
+        return _SAFETENSORS_DTYPES.get(stored, stored.lower())
 
     def _read(self, file: Path, name: str) -> torch.Tensor:
         handle = self._handles.get(file)
@@ -152,6 +167,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     from strata.model.gguf import GGUFCheckpoint
 
     return GGUFCheckpoint(path)
+
+
+# safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BF16": "bfloat16", "F16": "float16",
+                       "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
 
 
 class StateDictCheckpoint:

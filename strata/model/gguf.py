@@ -396,19 +396,29 @@ class GGUFCheckpoint:
         """The tensor kept quantized (`strata.quant.packed`), when its GGUF type has a packed form (Q8_0, Q4_K, Q5_K,
         Q6_K) and it is stored as transformers reads it (or with its rows reordered); else None (`load` it).
         `dtype`: the activations' dtype its tiles are rounded to."""
+        if self.packed_format(name) is None:
+            return None
         source = self._source(name)
         info = source.parts[0]
-        if len(source.parts) != 1 or info.qtype not in SUPPORTED_BLOCKS or len(info.shape) not in (2, 3):
-            return None
         rows = None
         if source.undo is not None:
-            if self.arch not in _PERMUTED_QK or len(info.shape) != 2:
-                return None  # a conversion other than a row order: read dequantized
             order = np.arange(info.shape[0])[:, None]
             rows = torch.from_numpy(np.ascontiguousarray(source.undo(order)[:, 0]))
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
         weight = from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape, dtype)
         return weight.rows(rows) if rows is not None else weight
+
+    def packed_format(self, name: str) -> str | None:
+        """The packed format (`strata.quant.packed`) `load_packed` keeps the tensor in, or None: one GGUF tensor of a
+        type with a packed form, 2-D or 3-D, stored as transformers reads it or with its rows reordered (Llama's
+        q/k)."""
+        source = self._source(name)
+        info = source.parts[0]
+        if len(source.parts) != 1 or info.qtype not in SUPPORTED_BLOCKS or len(info.shape) not in (2, 3):
+            return None
+        if source.undo is not None and (self.arch not in _PERMUTED_QK or len(info.shape) != 2):
+            return None  # a conversion other than a row order: read dequantized
+        return SUPPORTED_BLOCKS[info.qtype]
 
     def qtype_name(self, name: str) -> str:
         """The GGUF type the tensor is stored in (e.g. 'Q4_K'), for the load's summary."""
