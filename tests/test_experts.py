@@ -408,3 +408,45 @@ def test_hot_residency_refreshes_between_windows(model, monkeypatch):
             assert 0 < pool.counts.sum() <= pool.pairs_total and (mode == "hot" or pool.counts.sum() == pool.pairs_total)
         if mode == "hot":
             assert len(answers) == 4 and all(len(a) == NEW for a in answers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_pool_reads_q4_k_experts_as_4_bit(dtype):
+    """Packed q4_k experts stay 4-bit in the pool (torch's CPU int4 products): the float reference of their
+    dequantized weights (float32: to its rounding; bfloat16: the (scale, zero) pairs rounded too), fewer bytes,
+    a row's bits the same alone as among others; a q6_k down (llama.cpp's Q4_K_M) is written out beside them."""
+    from strata.experts.pool import ExpertPool, Int4Expert
+    from strata.kernels.invariant import in_row_blocks
+    from strata.quant.online import quantize_weight
+    from strata.quant.packed import dequantize
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i, k, rows = 6, 256, 256, 2, 5
+    here = [0, 2, 3, 5]
+    for down_fmt in ("q4_k", "q6_k"):
+        gate_up = quantize_weight(torch.randn(e, 2 * i, h, generator=g) * 0.05, "q4_k", dtype)
+        down = quantize_weight(torch.randn(e, h, i, generator=g) * 0.05, down_fmt, dtype)
+        keep = torch.tensor(here)
+        pool = ExpertPool({"gate_up": gate_up.index(keep), "down": down.index(keep), "ids": keep}, e)
+        assert pool.int4 and not pool.packed and isinstance(pool.gate_up[0], Int4Expert)
+        assert isinstance(pool.down[0], Int4Expert) == (down_fmt == "q4_k")
+        plain_bytes = (2 * i * h + h * i) * len(here) * torch.tensor([], dtype=dtype).element_size()
+        assert pool.nbytes < (0.6 if dtype == torch.float32 else 0.75) * plain_bytes
+        x = torch.randn(rows, h, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
+        weights = torch.rand(rows, k, generator=g).to(dtype)
+        out = pool.compute(x, weights, ids, in_row_blocks)
+        gu, dn = dequantize(gate_up).double(), dequantize(down).double()
+        want = torch.zeros(rows, h, dtype=torch.float64)
+        for r in range(rows):
+            for c in range(k):
+                j = int(ids[r, c])
+                if j in here:
+                    a = x[r].double() @ gu[j].T
+                    want[r] += weights[r, c].double() * ((torch.nn.functional.silu(a[:i]) * a[i:]) @ dn[j].T)
+        assert want.abs().max() > 0
+        err = ((out.double() - want).norm() / want.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (down_fmt, err)
+        for r in range(rows):
+            alone = pool.compute(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], in_row_blocks)
+            assert torch.equal(alone[0], out[r]), (down_fmt, r)

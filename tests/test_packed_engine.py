@@ -412,3 +412,27 @@ def test_fp8_packed_is_bitwise_the_dequantized_engine(fp8_engines):
         facts = read_model(folder, bytes_per_param=4, packed=kept)
         counted = sum(facts.dense_bytes) + sum(facts.expert_bytes) + facts.embed_bytes + facts.head_bytes
         assert counted == engine.weights.nbytes() + (facts.embed_bytes if facts.tie_embeddings else 0), kept
+
+
+@pytest.mark.parametrize("gguf_model", ["qwen3moe", "qwen3moe-q4_k_m"], indirect=True)
+def test_experts_split_with_the_pool_stay_packed(gguf_model, engines):
+    """Half the experts resident (`--expert-budget-gb`): the device's stay packed, the pool's q4_k experts stay
+    4-bit (`strata.experts.pool.Int4Expert`), other formats are written out for it; the logits are the
+    all-resident packed engine's to the pool's float32 rounding (its row invariance: tests/test_experts.py)."""
+    from strata.experts.pool import Int4Expert
+    from tests.test_experts import half
+
+    case, path = gguf_model[0], gguf_model[1]
+    whole = engines[0][0]
+    split, _ = make_engine(path, kernels="triton", expert_budget_gb=[half(whole.spec)])
+    for i, layer in split.weights.layers.items():
+        assert isinstance(layer["experts_gate_up"], PackedWeight) and layer["experts_gate_up"].shape[0] == 2
+        pool = split.stages[0].forward.pools[i]
+        gate_up_fmt = whole.weights.layers[i]["experts_gate_up"].fmt
+        down_fmt = whole.weights.layers[i]["experts_down"].fmt
+        assert isinstance(pool.gate_up[0], Int4Expert) == (gate_up_fmt == "q4_k"), (case, i)
+        assert isinstance(pool.down[0], Int4Expert) == (down_fmt == "q4_k"), (case, i)
+    tokens = [int(t) for t in torch.randint(0, VOCAB, (STEPS,), generator=torch.Generator().manual_seed(4))]
+    got, want = decode(split, tokens), decode(whole, tokens)
+    assert rel_err(got, want) < 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
+    assert sum(p.pairs_here for p in split.stages[0].forward.pools.values()) > 0  # the pool did compute pairs

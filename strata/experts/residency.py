@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.quant.packed import PackedWeight
+
 from strata.model.spec import ModelSpec
 
 Tensors = dict[str, torch.Tensor]
@@ -81,9 +83,9 @@ def plan_residency(spec: ModelSpec, layers: range, device: torch.device, budget_
     return StageResidency(device, e, size, {i: chosen(e, count) for i in moe_layers})
 
 
-def split_experts(gate_up: torch.Tensor, down: torch.Tensor, resident: tuple[int, ...],
+def split_experts(gate_up: torch.Tensor | PackedWeight, down: torch.Tensor | PackedWeight, resident: tuple[int, ...],
                   device: torch.device) -> tuple[Tensors, Tensors]:
-    """A layer's stacked experts (gate_up [E, 2I, H], down [E, H, I], on the host or anywhere) split into
+    """A layer's stacked experts (gate_up [E, 2I, H], down [E, H, I], plain or packed, on the host or anywhere) split into
     what its device holds (`experts_gate_up` / `experts_down` of the resident experts only, and `expert_slot`
     [E] int32: each global id's resident slot, or the resident count M for an expert not held) and what stays
     in host RAM (`gate_up`, `down` of the other experts, `ids` [E - M] int64 their global ids, ascending)."""
@@ -94,14 +96,15 @@ def split_experts(gate_up: torch.Tensor, down: torch.Tensor, resident: tuple[int
     rest = torch.arange(e)[~held]
     slot = torch.full((e,), len(resident), dtype=torch.int32)
     slot[keep] = torch.arange(len(resident), dtype=torch.int32)
+    take = lambda w, ids: w.index(ids) if isinstance(w, PackedWeight) else w.index_select(0, ids.to(w.device))  # noqa: E731
     on_device = {
-        "experts_gate_up": gate_up.index_select(0, keep.to(gate_up.device)).to(device).contiguous(),
-        "experts_down": down.index_select(0, keep.to(down.device)).to(device).contiguous(),
+        "experts_gate_up": take(gate_up, keep).to(device).contiguous(),
+        "experts_down": take(down, keep).to(device).contiguous(),
         "expert_slot": slot.to(device),
     }
     on_host = {
-        "gate_up": gate_up.index_select(0, rest.to(gate_up.device)).cpu().contiguous(),
-        "down": down.index_select(0, rest.to(down.device)).cpu().contiguous(),
+        "gate_up": take(gate_up, rest).to("cpu").contiguous(),
+        "down": take(down, rest).to("cpu").contiguous(),
         "ids": rest,
     }
     return on_device, on_host

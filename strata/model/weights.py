@@ -220,9 +220,10 @@ def _stack(r: _Reader, parts: list) -> torch.Tensor | PackedWeight:
 
 
 def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str, resident: tuple[int, ...] | None = None,
-         offloaded: Tensors | None = None) -> Tensors:
+         offloaded: Tensors | None = None, split_packed: bool = True) -> Tensors:
     """`resident`: the ids of the experts this layer keeps on the device (None: all); the others are read into
-    host RAM only and put in `offloaded`."""
+    host RAM only and put in `offloaded` (packed as the device's, with `split_packed` and a packing reader; the CPU
+    pool reads q4_k experts as they are, `strata.experts.pool`)."""
     hidden = spec.hidden_size
     if kind == "dense":
         gate_up, down = _swiglu(r, p, hidden, spec.dense_dim)
@@ -234,8 +235,8 @@ def _mlp(r: _Reader, p: str, spec: ModelSpec, kind: str, resident: tuple[int, ..
     else:  # read on the host, so the device never holds more than the resident experts
         from strata.experts.residency import split_experts
 
-        on_device, on_host = split_experts(*_experts(r, f"{p}experts.", spec, torch.device("cpu"), packed=False),
-                                           resident, r.device)
+        on_device, on_host = split_experts(
+            *_experts(r, f"{p}experts.", spec, torch.device("cpu"), packed=split_packed), resident, r.device)
         w |= on_device
         offloaded.update(on_host)
     if m.shared_dim:
@@ -258,6 +259,7 @@ def load_stage_weights(
     trim: bool = True,
     resident: dict[int, tuple[int, ...]] | None = None,
     packed: bool = False,
+    split_packed: bool = True,
 ) -> StageWeights:
     """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last).
 
@@ -265,7 +267,8 @@ def load_stage_weights(
     untrimmed stage of the original system did: they are never used, only held (`--trim-stage-weights` off).
     `resident`: for MoE layers that keep only some experts on `device`, their ids (`strata.experts.residency`);
     the other experts go to `StageWeights.offloaded` in host RAM. `packed`: quantized weights stay quantized where
-    the checkpoint allows (the module's docstring)."""
+    the checkpoint allows (the module's docstring); `split_packed` False: not the experts split by `resident`
+    (hot residency swaps them as plain tensors)."""
     r = _Reader(ckpt, device, dtype, packed)
     pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
     resident = resident or {}
@@ -278,7 +281,7 @@ def load_stage_weights(
              "mlp_norm": r.norm(f"{p}post_attention_layernorm.weight", hidden, off)}
         w |= _attention(r, f"{p}self_attn.", spec, off) if layer.mixer == "attention" else _gdn(r, f"{p}linear_attn.", spec, family)
         if experts and i in resident:
-            w |= _mlp(r, f"{p}mlp.", spec, layer.mlp, resident[i], offloaded.setdefault(i, {}))
+            w |= _mlp(r, f"{p}mlp.", spec, layer.mlp, resident[i], offloaded.setdefault(i, {}), split_packed)
         elif experts or layer.mlp == "dense":
             w |= _mlp(r, f"{p}mlp.", spec, layer.mlp)
         return w

@@ -114,7 +114,8 @@ class Engine:
             else:
                 # the Triton kernels read quantized weights packed (`strata.kernels.packed`)
                 w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident,
-                               packed=kernels == "triton" and not dequantize_weights)
+                               packed=kernels == "triton" and not dequantize_weights,
+                               split_packed=expert_residency != "hot")  # hot residency swaps plain experts
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             forward = Forward(self.spec, w, stage_device, dtype, kernels, graphs,
                               pack_pools=False if expert_residency == "hot" else None)  # swapped experts: plain
