@@ -15,6 +15,10 @@ PCIe upload rate (pinned, 256 MB) for `--pcie-frac` to come.
 
     python bench/experts.py --shape qwen3-30b-a3b --layers 8 --resident 1,0.5,0.25,0.1 --rows 1,8
     python bench/experts.py --layers 8 --resident 0.5,0.25 --rows 8 --skew 2 --settle 256 --expert-residency hot
+    python bench/experts.py --layers 8 --resident 1,0.5,0.25 --rows 1,8 --weights q4_k
+
+`--weights q4_k` quantizes the random weights as they load (`strata.quant.online`): the GPU keeps them packed and
+the CPU pool reads its experts 4-bit (`strata.experts.pool.Int4Expert`); the roofline counts those bytes.
 
 The last column is the share of the pooled layers' (row, expert) pairs computed on the GPU (the resident set's hit
 rate): with `--skew` (a few hot experts, as trained routers have) compare `--expert-residency fixed` and `hot`.
@@ -119,6 +123,26 @@ def skewed(weights, spec, factor: float):
     return weights
 
 
+def quantized(weights, fmt: str):
+    """`weights` with every projection, expert stack and the head quantized in `fmt` and kept packed."""
+    from strata.quant.online import quantize_weight
+    from strata.quant.packed import FORMATS
+
+    if fmt == "bf16":
+        return weights
+    group, superblock, _ = FORMATS[fmt]
+    fits = lambda t: isinstance(t, torch.Tensor) and t.dim() in (2, 3) and t.shape[-1] % max(group, superblock) == 0  # noqa: E731
+    keys = ("qkv", "o", "gate_up", "down", "in_proj", "out", "experts_gate_up", "experts_down", "shared_gate_up",
+            "shared_down")
+    for layer in weights.layers.values():
+        for key in keys:
+            if key in layer and fits(layer[key]):
+                layer[key] = quantize_weight(layer[key], fmt, layer[key].dtype)
+    if fits(weights.lm_head) and weights.lm_head is not weights.embed:
+        weights.lm_head = quantize_weight(weights.lm_head, fmt, weights.lm_head.dtype)
+    return weights
+
+
 def decode_tokens(engine, rows: int, tokens: int, prompt_len: int, together: bool = True) -> list[list[int]]:
     """Greedy tokens of `rows` conversations decoding together, and of the first one alone (its list last, its
     prompt read alone)."""
@@ -191,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                    "in host RAM under the fixed choice) hot: their router rows scaled by this (>1: routed more often)")
     p.add_argument("--settle", type=int, default=0, help="windows run before the clock starts (hot residency's "
                    "refreshes happen every 64)")
+    p.add_argument("--weights", default="bf16", choices=("bf16", "q4_k", "q8_0", "q6_k", "q5_k", "fp8"),
+                   help="quantize the weights so and keep them packed (the pool reads q4_k experts 4-bit)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--prompt-read", type=int, default=0, help="also time one prompt of this many tokens read")
@@ -209,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     moe_layers = sum(1 for layer in spec.layers if layer.mlp == "moe")
     all_experts_gb = moe_layers * spec.moe.num_experts * expert_bytes(spec, 2) / 1e9
     print(f"{args.shape}, {args.layers} layers ({moe_layers} MoE, {spec.moe.num_experts} experts of "
-          f"{expert_bytes(spec, 2) / 1e6:.1f} MB, top-{spec.moe.top_k}), random weights, bfloat16, "
+          f"{expert_bytes(spec, 2) / 1e6:.1f} MB in bf16, top-{spec.moe.top_k}), random weights, {args.weights}, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; {threads} CPU threads")
     pcie = f"; PCIe upload {pcie_gbps(device):.1f} GB/s" if device.type == "cuda" else ""
     print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
@@ -220,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         return Engine(None, device=device, dtype=torch.bfloat16, max_cells=max(args.prompt_len + args.tokens + args.settle, args.prompt_read) + 96,
                       spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads, park_gb=0,
                       expert_residency=args.expert_residency,
-                      weights=lambda layers, dev, trim: skewed(random_stage_weights(spec, layers, dev, torch.bfloat16),
-                                                               spec, args.skew))
+                      weights=lambda layers, dev, trim: quantized(skewed(
+                          random_stage_weights(spec, layers, dev, torch.bfloat16), spec, args.skew), args.weights))
 
     if args.check:
         from strata.runtime import fast_decode

@@ -59,6 +59,8 @@ class Int4Expert:
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales_zeros.dtype != x.dtype:  # the product takes them in the rows' dtype
+            self.scales_zeros = self.scales_zeros.to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scales_zeros)
 
 
