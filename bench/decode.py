@@ -14,7 +14,7 @@ by each kernel's own GPU time, which overlaps the next kernel's under programmat
     python bench/decode.py --shape qwen3-30b-a3b --concurrency 1,8,32,64
     python bench/decode.py --shape qwen3-next-80b-a3b --layers 24 --concurrency 1,8,32,64 --chain 1
 
-`--weights q4_k` (q8_0, q5_k, q6_k, fp8) adds the same weights quantized by the project's own packer
+`--weights q4_k` (q8_0, q5_k, q6_k, iq3_s, fp8) adds the same weights quantized by the project's own packer
 (`strata.quant.online`) and kept packed on the GPU (`strata.kernels.packed`): its tok/s beside bf16's and beside
 the roofline over the packed bytes, both engines' weight memory, and, on a model of `--check-layers` layers of the
 shape, one prompt window's logits packed (bf16) against the same dequantized weights in float32, bitwise against
@@ -277,7 +277,7 @@ def main() -> None:
     p.add_argument("--max-cells", type=int, default=1024, help="K/V cells a conversation may hold (the decode "
                    "attention spreads rows past 512 cells over chunks: --prompt-len 8000 --max-cells 8192 for long contexts)")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "q8_0", "q4_k", "q5_k", "q6_k", "fp8"],
+    p.add_argument("--weights", default="bf16", choices=["bf16", "q8_0", "q4_k", "q5_k", "q6_k", "iq3_s", "fp8"],
                    help="also time the weights quantized so and kept packed, beside bf16")
     p.add_argument("--check-layers", type=int, default=4, help="layers of the model --weights' accuracy is checked on")
     p.add_argument("--skip-checks", action="store_true")

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                    "in host RAM under the fixed choice) hot: their router rows scaled by this (>1: routed more often)")
     p.add_argument("--settle", type=int, default=0, help="windows run before the clock starts (hot residency's "
                    "refreshes happen every 64)")
-    p.add_argument("--weights", default="bf16", choices=("bf16", "q4_k", "q8_0", "q6_k", "q5_k", "fp8"),
+    p.add_argument("--weights", default="bf16", choices=("bf16", "q4_k", "q8_0", "q6_k", "q5_k", "iq3_s", "fp8"),
                    help="quantize the weights so and keep them packed (the pool reads q4_k experts 4-bit)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")

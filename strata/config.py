@@ -81,7 +81,7 @@ class EngineSettings(StrataSettings):
     )
     cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (with the triton kernels)")
     dequantize_weights: bool = Field(
-        False, description="a quantized checkpoint's weights (GGUF Q8_0 / Q4_K / Q5_K / Q6_K, FP8) dequantized to "
+        False, description="a quantized checkpoint's weights (GGUF Q8_0 / Q4_K / Q5_K / Q6_K / IQ3_S, FP8) dequantized to "
         "--dtype at load instead of kept packed for the triton kernels (more memory; for comparison)"
     )
     layer_split: str | None = Field(

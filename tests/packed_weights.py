@@ -25,6 +25,10 @@ def random_packed(fmt: str, shape: tuple[int, ...], seed: int = 0, dtype: torch.
         codes = (torch.randn(*shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         scales = torch.rand(*lead, k // group, generator=g) * scale / 100
         return PackedWeight(fmt, tuple(shape), codes, scales, dtype=dtype)
+    if fmt == "iq3_s":  # any index, sign and scale is valid
+        supers = (torch.rand(*lead, k // superblock, generator=g) * scale / 200).half()
+        return PackedWeight(fmt, tuple(shape), u8(*lead, k // 4), u8(*lead, k // 64), supers, u8(*lead, k // 32),
+                            dtype=dtype, signs=u8(*lead, k // 8))
     codes = u8(*lead, k // 2)
     if fmt == "q6_k":
         scales = torch.randint(-64, 64, (*lead, k // group), generator=g, dtype=torch.int32).to(torch.int8)

@@ -103,7 +103,7 @@ def cases():
         out.append((label, linear.linear_kernel, dict(
             constexprs=dict(FMT=fmt, HAS_BIAS=False, PARTIAL=partial, INPUT_PRECISION="tf32",
                             BLOCK_M=linear.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, **pdl),
-            pointers=dict(p_out=f32 if partial else "bf16", **({"p_w": "u8"} if fmt else {})), plain=("M",),
+            pointers=dict(p_out=f32 if partial else "bf16", p_grid="i32", **({"p_w": "u8"} if fmt else {})), plain=("M",),
             ones=("stride_xk", "stride_wk"), num_warps=linear.NUM_WARPS, num_stages=stages)))
     out.append(("_sum_chunks_kernel", linear._sum_chunks_kernel, dict(
         constexprs=dict(SPLIT=4, HAS_BIAS=False, BLOCK=1024, **pdl), pointers=dict(p_part=f32))))
@@ -125,6 +125,7 @@ def cases():
     expert_ptrs = dict(p_route=f32, p_y=f32, p_pair="i32", p_expert="i32", p_done="i32", p_used="i32")
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **pdl)
     packed_experts = dict(p_wgu="u8", p_sgu="u8", p_wd="u8", p_sd="u8")
+    expert_ptrs = dict(expert_ptrs, p_grid="i32", p_ggu="i32", p_gd="i32")
     for shared, fmt, down_fmt in [(False, 0, 0), (True, 0, 0), *[(False, f, f) for f in sorted(packed)],
                                   (True, 3, 3), (False, 3, 5)]:  # the last: Q4_K_M's experts (q4_k, down q6_k)
         label = f"_experts_kernel (one launch){' shared pair' if shared else ''}" + (f" {packed[fmt]}" if fmt else "")

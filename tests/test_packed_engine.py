@@ -1,5 +1,5 @@
 """Quantized weights kept packed by a whole engine (Triton kernels, under the interpreter): tiny Llama and Qwen3-MoE
-GGUF files whose matrices are Q8_0 / Q4_K / Q5_K / Q6_K (each format in several roles, q/k rows permuted as
+GGUF files whose matrices are Q8_0 / Q4_K / Q5_K / Q6_K / IQ3_S (each format in several roles, q/k rows permuted as
 llama.cpp's converter permutes Llama's), and a tiny FP8 block-scaled checkpoint.
 
 A packed run gives the logits of `transformers` over gguf's own dequantization of the very bytes written (and so
@@ -27,8 +27,8 @@ from tests.test_quantization import write_fp8  # noqa: E402
 from tests.tiny_models import VOCAB, build  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-F32, Q8_0, Q4_K, Q5_K, Q6_K = T.F32, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K
-FMT = {Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
+F32, Q8_0, Q4_K, Q5_K, Q6_K, IQ3_S = T.F32, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S
+FMT = {Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k", IQ3_S: "iq3_s"}
 
 PROMPT = [(i * 37 + 11) % VOCAB for i in range(10)]
 STEPS = 3  # greedy decode steps after the prompt
@@ -46,14 +46,14 @@ ARCH = {"llama": "llama", "qwen3moe": "qwen3moe", "qwen3moe-q4_k_m": "qwen3moe"}
 # GGUF tensor -> its type in layer 0 and layer 1 (every format in several roles); top-level tensors: one type
 TYPES = {
     "llama": {
-        "attn_q": (Q8_0, Q4_K), "attn_k": (Q8_0, Q4_K), "attn_v": (Q8_0, Q4_K), "attn_output": (Q5_K, Q6_K),
+        "attn_q": (Q8_0, Q4_K), "attn_k": (Q8_0, Q4_K), "attn_v": (Q8_0, Q4_K), "attn_output": (Q5_K, IQ3_S),
         "ffn_gate": (Q4_K, Q5_K), "ffn_up": (Q4_K, Q5_K), "ffn_down": (Q6_K, Q8_0),
         "attn_norm": (F32, F32), "ffn_norm": (F32, F32),
         "token_embd": Q8_0, "output": Q6_K, "output_norm": F32,
     },
     "qwen3moe": {
         # layer 0's fused qkv mixes Q4_K and Q6_K: dequantized at load; layer 1's is one type: packed
-        "attn_q": (Q4_K, Q5_K), "attn_k": (Q4_K, Q5_K), "attn_v": (Q6_K, Q5_K), "attn_output": (Q8_0, Q4_K),
+        "attn_q": (Q4_K, Q5_K), "attn_k": (Q4_K, Q5_K), "attn_v": (Q6_K, Q5_K), "attn_output": (Q8_0, IQ3_S),
         "ffn_gate_exps": (Q4_K, Q6_K), "ffn_up_exps": (Q4_K, Q6_K), "ffn_down_exps": (Q4_K, Q6_K),
         "ffn_gate_inp": (F32, F32), "attn_q_norm": (F32, F32), "attn_k_norm": (F32, F32),
         "attn_norm": (F32, F32), "ffn_norm": (F32, F32),

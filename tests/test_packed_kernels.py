@@ -32,9 +32,9 @@ def test_a_row_record_is_as_long_as_gguf_blocks():
     """Bytes a row takes: GGUF's block sizes (q4_k, q5_k: their 6-bit scales unpacked, 4 bytes more per 256
     columns), padded to 16 bytes (the 30B shape's rows: 2048 columns, none; its experts' down rows, 768, 4 bytes)."""
     assert {f: packed_nbytes(f, 1, 2048) for f in FORMATS} == {"q8_0": 2176, "fp8": 2112, "q4_k": 1184,
-                                                              "q5_k": 1440, "q6_k": 1680}
+                                                              "q5_k": 1440, "q6_k": 1680, "iq3_s": 880}
     assert {f: packed_nbytes(f, 1, 768) for f in FORMATS} == {"q8_0": 816, "fp8": 800, "q4_k": 448, "q5_k": 544,
-                                                             "q6_k": 640}
+                                                             "q6_k": 640, "iq3_s": 336}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import SplitSum, finish, sum_chunks
-from strata.kernels.packed import packed_tile
+from strata.kernels.packed import grid_words, packed_tile
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -66,7 +66,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @triton.jit(do_not_specialize=["M"])
 def linear_kernel(
-    p_x, p_w, p_b, p_out,
+    p_x, p_w, p_b, p_out, p_grid,
     M, N, K, K_CHUNK,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     FMT: tl.constexpr,
@@ -103,7 +103,8 @@ def linear_kernel(
         if FMT == 0:
             b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
         else:
-            b_w = tl.trans(packed_tile(p_w, o_n.to(tl.int64), m_n, k0 + i_k * BLOCK_K, K, stride_wn, FMT, BLOCK_K))
+            b_w = tl.trans(packed_tile(p_w, o_n.to(tl.int64), m_n, k0 + i_k * BLOCK_K, K, stride_wn, p_grid, FMT,
+                                       BLOCK_K))
             b_w = tl.where(m_k[:, None], b_w, 0.0).to(p_x.dtype.element_ty)
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=INPUT_PRECISION)
         p_xk += BLOCK_K * stride_xk
@@ -170,7 +171,7 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
     packed = isinstance(weight, PackedWeight)
     w = weight.data.contiguous() if packed else weight
     linear_kernel[grid](
-        x, w, bias if bias is not None else x, out,
+        x, w, bias if bias is not None else x, out, grid_words(weight),
         m, n, k, k // split if split > 1 else k,
         x.stride(0), x.stride(1), w.stride(0), 1 if packed else w.stride(1), out.stride(-2),
         FMT=weight.kernel_format if packed else 0,

@@ -18,7 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import packed_tile, plain_weight, project
+from strata.kernels.packed import grid_words, packed_tile, plain_weight, project
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -286,7 +286,7 @@ def _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                   SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, TMA: tl.constexpr, FMT: tl.constexpr = 0):
     """h[pair, n] = silu(x[row] . gate[e, n]) * (x[row] . up[e, n]) for tile i_b's pairs (expert i_e), columns
@@ -317,8 +317,8 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, 
             o_k = k0 + tl.arange(0, BLOCK_K)
             b_x = tl.load(p_x + b_row[:, None].to(tl.int64) * s_xr + o_k[None, :],
                           mask=m_m[:, None] & (o_k < H)[None, :], other=0.0)  # [BM, BK]
-            b_wg = packed_tile(p_e, r_n, m_n, k0, H, s_wn, FMT, BLOCK_K).to(b_x.dtype)  # [BN, BK]
-            b_wu = packed_tile(p_e, r_n + I, m_n, k0, H, s_wn, FMT, BLOCK_K).to(b_x.dtype)
+            b_wg = packed_tile(p_e, r_n, m_n, k0, H, s_wn, p_grid, FMT, BLOCK_K).to(b_x.dtype)  # [BN, BK]
+            b_wu = packed_tile(p_e, r_n + I, m_n, k0, H, s_wn, p_grid, FMT, BLOCK_K).to(b_x.dtype)
             b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision="ieee")
             b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision="ieee")
     else:
@@ -340,7 +340,7 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, 
 
 
 @triton.jit
-def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+def _gate_up_kernel(p_x, p_w, p_sw, p_grid, p_h, p_pair, p_expert, p_used, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
                     FMT: tl.constexpr = 0):
@@ -352,18 +352,18 @@ def _gate_up_kernel(p_x, p_w, p_sw, p_h, p_pair, p_expert, p_used, P, E, H, I, s
         n_tiles = tl.cdiv(I, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr,
+            _gate_up_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I, s_xr,
                           s_we, s_wn, s_wk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FMT)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:  # else past the last used block (expert E: the shared one, when SHARED)
-            _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
+            _gate_up_tile(i_b, tl.program_id(1), i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I, s_xr, s_we, s_wn, s_wk,
                           SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FMT)
 
 
 @triton.jit
-def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                TMA: tl.constexpr, H_CG: tl.constexpr = False, FMT: tl.constexpr = 0):
     """y[pair, n] = route_weight[pair] * (h[pair] . down[e, n]) for tile i_b's pairs (expert i_e), columns tile
@@ -396,7 +396,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
                 b_h = tl.load(p_hk, mask=m_hk, other=0.0)
             if FMT > 0:
                 b_w = tl.trans(packed_tile(_expert_weights(p_w, p_sw, i_e, s_we, E, SHARED), o_n.to(tl.int64), m_n, k0,
-                                           I, s_wn, FMT, BLOCK_K)).to(b_h.dtype)
+                                           I, s_wn, p_grid, FMT, BLOCK_K)).to(b_h.dtype)
             else:
                 b_w = tl.load(p_down + o_k[:, None] * s_wk, mask=m_k[:, None] & m_n[None, :], other=0.0).to(b_h.dtype)
             b_y = tl.dot(b_h, b_w, b_y, input_precision="ieee")
@@ -406,7 +406,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, 
 
 
 @triton.jit
-def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H, I, s_we, s_wn, s_wk,
+def _down_kernel(p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, p_expert, p_used, P, E, H, I, s_we, s_wn, s_wk,
                  SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PERSISTENT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, FMT: tl.constexpr = 0):
     """The experts' down products, on a grid like `_gate_up_kernel`'s (one tile per program, or PERSISTENT)."""
@@ -415,18 +415,18 @@ def _down_kernel(p_h, p_w, p_sw, p_route, p_y, p_pair, p_expert, p_used, P, E, H
         n_tiles = tl.cdiv(H, BLOCK_N)
         for t in tl.range(tl.program_id(0), tl.load(p_used) * n_tiles, tl.num_programs(0), flatten=True):
             i_b = t // n_tiles
-            _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I,
+            _down_tile(i_b, t % n_tiles, tl.load(p_expert + i_b), p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E, H, I,
                        s_we, s_wn, s_wk, SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA, False, FMT)
     else:
         i_b = tl.program_id(0)
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
-            _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
+            _down_tile(i_b, tl.program_id(1), i_e, p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E, H, I, s_we, s_wn, s_wk,
                        SHARED, BLOCK_M, BLOCK_N, BLOCK_K, TMA, False, FMT)
 
 
 @triton.jit
-def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I, s_xr,
+def _experts_kernel(p_x, p_wgu, p_sgu, p_ggu, p_h, p_wd, p_sd, p_gd, p_route, p_y, p_pair, p_expert, p_done, P, E, H, I, s_xr,
                     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, GATE_UP_PROGRAMS,
                     SHARED: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, PDL: tl.constexpr,
@@ -445,7 +445,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
         i_b = i_p // n_gate_up
         i_e = tl.load(p_expert + i_b)
         if i_e < E + SHARED:
-            _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
+            _gate_up_tile(i_b, i_p % n_gate_up, i_e, p_x, p_wgu, p_sgu, p_ggu, p_h, p_pair, P, E, H, I, s_xr, s_gue, s_gun,
                           s_guk, SHARED, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, False, FMT)
             tl.debug_barrier()  # every thread's h stores issued before the tile is counted
             tl.atomic_add(p_done + i_b, 1, sem="release", scope="gpu")
@@ -458,7 +458,7 @@ def _experts_kernel(p_x, p_wgu, p_sgu, p_h, p_wd, p_sd, p_route, p_y, p_pair, p_
             done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
             while done < n_gate_up:
                 done = tl.atomic_add(p_done + i_b, 0, sem="acquire", scope="gpu")
-            _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
+            _down_tile(i_b, i_n, i_e, p_h, p_wd, p_sd, p_gd, p_route, p_y, p_pair, P, E, H, I, s_de, s_dn, s_dk, SHARED,
                        BLOCK_M, DOWN_N, DOWN_K, False, True, DOWN_FMT)
 
 
@@ -735,6 +735,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         "the shared expert's gate_up and down must have the routed experts' shapes and strides"
     s_gate_up, s_down = (_stored(w) for w in (shared if shared is not None else (gate_up, down)))
     fmt, down_fmt = _format(gate_up)[1], _format(down)[1]  # each packed or not on its own (Q4_K_M: q4_k, q6_k)
+    g_gate_up, g_down = grid_words(gate_up), grid_words(down)  # IQ3_S's grid (read by iq3_s tiles only)
     gate_up, down = _stored(gate_up), _stored(down)  # from here on, what the kernels address
     x, ids = x.contiguous(), ids.contiguous()
     dev = x.device
@@ -773,15 +774,16 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
             "handoff tiles: one program per tile, pointer loads, the same pipeline stages for both products"
         gate_up_programs = max_blocks * triton.cdiv(I, tiles.block_n)
         _experts_kernel[(gate_up_programs + max_blocks * triton.cdiv(H, t_down["BLOCK_N"]),)](
-            x, gate_up, s_gate_up, h, down, s_down, route, y, pair_of_slot, expert_of_block, done, P, E, H, I,
+            x, gate_up, s_gate_up, g_gate_up, h, down, s_down, g_down, route, y, pair_of_slot, expert_of_block, done,
+            P, E, H, I,
             x.stride(0), *gate_up.stride(), *down.stride(), gate_up_programs, K_TOP=k, DOWN_N=t_down["BLOCK_N"],
             DOWN_K=t_down["BLOCK_K"], DOWN_FMT=down_fmt, **t, **pdl(x))
     else:
         _gate_up_kernel[grid(I, tiles.block_n, tiles.persistent)](
-            x, w_gate_up, s_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0),
+            x, w_gate_up, s_gate_up, g_gate_up, h, pair_of_slot, expert_of_block, used, P, E, H, I, x.stride(0),
             *gate_up.stride(), K_TOP=k, PERSISTENT=tiles.persistent > 0, TMA=tma, **t, **pdl(x))
         _down_kernel[grid(H, t_down["BLOCK_N"], down_persistent)](
-            h, w_down, s_down, route, y, pair_of_slot, expert_of_block, used, P, E, H, I,
+            h, w_down, s_down, g_down, route, y, pair_of_slot, expert_of_block, used, P, E, H, I,
             *down.stride(), TMA=tma, **t_down, **pdl(x))
     pairs = PairSum(y, ids, held, x.dtype)
     return pairs if defer else combine_triton(pairs, tiles.combine_n)

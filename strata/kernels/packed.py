@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.quant.packed import PackedWeight
+from strata.quant.packed import PackedWeight, iq3s_grid
 
 
 @triton.jit
@@ -56,18 +56,36 @@ def _half(f):
 
 
 @triton.jit
-def packed_tile(p_w, o_n, m_n, k0, K, s_row, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+def packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BN, BLOCK_K]: w[o_n, k0 + j] of a packed weight whose row records (`strata.quant.packed`) start at
     p_w (uint8), s_row bytes apart (o_n: int64 row indices [BN], masked by m_n; columns past K read as 0). K: the
     weight's columns (the record's parts are placed by it); k0: a multiple of BLOCK_K, a power of two. FMT:
-    `strata.quant.packed.KERNEL_FORMAT`.
+    `strata.quant.packed.KERNEL_FORMAT`. p_grid: IQ3_S's grid as 512 int32 words of 4 bytes (`grid_words`), read by
+    iq3_s tiles only.
 
     The tile is built as [BN, G, TG]: G runs of TG columns, each inside one scale group, so a run's scale is one
     value broadcast over its columns, codes split from their bytes by register shuffles (interleave) and high
     bits from one word per run by shifts; one reshape gives [BN, BLOCK_K]. The products are those of
     `strata.quant.packed.dequantize` (exact in float32, so the same bits)."""
     p_r = p_w + o_n[:, None] * s_row  # [BN, 1] each row's record
-    if FMT == 1 or FMT == 2:  # q8_0: codes i8 [K] | scales f16 [K/32]; fp8: codes e4m3 [K] | scales f32 [K/128]
+    if FMT == 6:  # iq3_s: codes [K/4] | signs [K/8] | high [K/32] | scales [K/64] | d f16 [K/256]
+        tl.static_assert(BLOCK_K >= 32, "iq3_s tiles are runs of 32 columns")
+        G: tl.constexpr = BLOCK_K // 32
+        o_run = k0 + tl.arange(0, G) * 32
+        m = m_n[:, None] & (o_run < K)[None, :]
+        o_i = tl.arange(0, 8)[None, None, :]  # a grid index's place in its run
+        o_j = tl.arange(0, 32)[None, None, :]  # a column's place in its run
+        b_hi = _field(p_r, K // 4 + K // 8 + o_run // 32, m, 1)  # a run's 8 ninth bits: one byte
+        index = _load3(p_r, m_n, k0 // 4, 8, K // 4, G, 8).to(tl.int32) | (((b_hi[:, :, None] >> o_i) & 1) << 8)
+        b_g = tl.load(p_grid + index)  # [BN, G, 8]: each index's 4 grid values, one byte each
+        values = tl.interleave(tl.interleave(b_g & 255, (b_g >> 16) & 255),
+                               tl.interleave((b_g >> 8) & 255, (b_g >> 24) & 255))  # [BN, G, 32]
+        b_sign = (_word(p_r, K // 4 + o_run // 8, m)[:, :, None] >> o_j) & 1  # a run's 32 signs: one word
+        nib = (_field(p_r, K // 4 + K // 8 + K // 32 + o_run // 64, m, 1) >> ((o_run // 32) % 2 * 4)[None, :]) & 15
+        d = _half(_field(p_r, K // 4 + K // 8 + K // 32 + K // 64 + (o_run // 256) * 2, m, 2))
+        db = d * _exact_float(1 + 2 * nib, 0)
+        w = db[:, :, None] * (_exact_float(values, 0) * _exact_float(1 - 2 * b_sign, 1))
+    elif FMT == 1 or FMT == 2:  # q8_0: codes i8 [K] | scales f16 [K/32]; fp8: codes e4m3 [K] | scales f32 [K/128]
         GS: tl.constexpr = 32 if FMT == 1 else 128
         TG: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
         G: tl.constexpr = BLOCK_K // TG
@@ -110,13 +128,28 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, FMT: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _dequantize_kernel(p_w, p_out, N, K, s_row, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(p_w, p_out, p_grid, N, K, s_row, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     o_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_n = o_n < N
     k0 = tl.program_id(1) * BLOCK_K
-    w = packed_tile(p_w, o_n, m_n, k0, K, s_row, FMT, BLOCK_K)
+    w = packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT, BLOCK_K)
     o_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(p_out + o_n[:, None] * K + o_k[None, :], w.to(p_out.dtype.element_ty), mask=m_n[:, None] & (o_k < K)[None, :])
+
+
+_WORDS: dict = {}
+
+
+def grid_words(w: PackedWeight | torch.Tensor) -> torch.Tensor:
+    """What the kernels take as p_grid for `w`: IQ3_S's grid as int32 words (byte c of word i: value c of point i)
+    on w's device for an iq3_s weight; any tensor of w's otherwise (not read)."""
+    data = w.data if isinstance(w, PackedWeight) else w
+    if not isinstance(w, PackedWeight) or w.fmt != "iq3_s":
+        return data
+    if data.device not in _WORDS:
+        _WORDS[data.device] = iq3s_grid(data.device).contiguous().view(torch.int32).reshape(-1)
+    return _WORDS[data.device]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,5 +175,6 @@ def dequantize_triton(w: PackedWeight, dtype: torch.dtype | None = None) -> torc
     if rows and k:
         block_n, block_k = 16, 256
         _dequantize_kernel[(triton.cdiv(rows, block_n), triton.cdiv(k, block_k))](
-            data, out, rows, k, data.shape[-1], FMT=w.kernel_format, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+            data, out, grid_words(w), rows, k, data.shape[-1], FMT=w.kernel_format, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4)
     return out

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from strata.quant.packed import PackedWeight, dequantize
 
 T = GGMLQuantizationType
-SUPPORTED = {T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
+SUPPORTED = {T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ3_S: "iq3_s"}
 
 _CHUNK = 1 << 24  # elements `quantize` handles per pass (its temporaries are a few float32 copies of this)
 
@@ -84,6 +84,10 @@ def from_gguf(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple
     if qtype == T.Q8_0:
         codes = b[..., 2:].contiguous().view(torch.int8).reshape(*lead, k)
         return PackedWeight(fmt, tuple(shape), codes, _f16(b[..., :2]).reshape(*lead, nb), dtype=dtype)
+    if qtype == T.IQ3_S:  # d | qs[64] | qh[8] | signs[32] | scales[4]: each part's bytes joined across blocks
+        part = lambda a, z: b[..., a:z].reshape(*lead, -1)  # noqa: E731
+        return PackedWeight(fmt, tuple(shape), part(2, 66), part(106, 110), _f16(b[..., :2]).reshape(*lead, nb),
+                            part(66, 74), dtype=dtype, signs=part(74, 106))
     if qtype == T.Q6_K:
         ql, qh = b[..., :128].reshape(*lead, nb, 2, 64), b[..., 128:192].reshape(*lead, nb, 2, 32)
         low = _fields(ql, 4).reshape(*lead, k)  # half h: columns 128h + 64s + i in nibble s of byte 64h + i
@@ -153,7 +157,33 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, _bytes(sc.to(torch.int8)), _bytes(d)], -1)
 
 
-_QUANTIZERS = {T.Q8_0: _q8_0, T.Q4_K: lambda x: _q45_k(x, 4), T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
+_GROUPS = 1 << 18  # groups of 4 values `_iq3_s` matches against the grid at a time
+
+
+def _iq3_s(x: torch.Tensor) -> torch.Tensor:
+    """Each 32 values' scale from its largest (to 15 grid units), each 4 values' magnitudes to the nearest of the
+    512 grid points, the signs as they are."""
+    from strata.quant.packed import iq3s_grid
+
+    xs = x.view(-1, 8, 32)
+    db = xs.abs().amax(-1) / 15  # [B, 8]
+    d = (db.amax(-1, keepdim=True) / 31).half()
+    sc = ((_ratio(db, d.float()) - 1) / 2).round_().clamp_(0, 15)
+    t = _ratio(xs.abs(), (d.float() * (1 + 2 * sc))[..., None]).reshape(-1, 4)  # [B * 64, 4] in grid units
+    grid = iq3s_grid(x.device).float()  # [512, 4]
+    index = torch.empty(t.shape[0], dtype=torch.int64, device=x.device)
+    for i in range(0, t.shape[0], _GROUPS):
+        part = t[i : i + _GROUPS]
+        index[i : i + _GROUPS] = ((grid * grid).sum(-1) - 2 * part @ grid.T).argmin(-1)  # nearest: |g|^2 - 2 t.g
+    index = index.view(-1, 64)
+    qs = (index & 255).to(torch.uint8)
+    qh = _pack((index >> 8).to(torch.uint8), 1)
+    signs = _pack((xs < 0).to(torch.uint8).view(-1, 256), 1)
+    scales = _pack(sc.to(torch.uint8), 4)
+    return torch.cat([_bytes(d), qs, qh, signs, scales], -1)
+
+
+_QUANTIZERS = {T.IQ3_S: _iq3_s, T.Q8_0: _q8_0, T.Q4_K: lambda x: _q45_k(x, 4), T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
 
 
 def quantize(w: torch.Tensor, qtype: GGMLQuantizationType | int) -> torch.Tensor:

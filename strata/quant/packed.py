@@ -14,6 +14,11 @@ one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts o
   q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | high uint8 [K/4] (byte j: bits 2i, 2i + 1 are column
         4j + i's top two) | supers float16 [K/256] (d) | scales int8 [K/16]:
                                                                          w = (f32(d) * scale) * (code - 32)
+  iq3_s codes uint8 [K/4] (the low 8 bits of each 4 columns' grid index) | signs uint8 [K/8] (bit i of byte j:
+        column 8j + i negative) | high uint8 [K/32] (bit i of byte j: index 8j + i's ninth bit) | scales uint8
+        [K/64] (two 4-bit scales a byte, low first, one per 32 columns) | supers float16 [K/256] (d):
+                                                          w = f32(d) * (1 + 2 * scale) * grid[index][c] * sign
+        (grid: IQ3_S's 512 points of 4 odd values, `iq3s_grid`; exactly GGUF's 110 bytes per 256 columns)
 
 A row record is as long as GGUF's blocks for the row (q4_k and q5_k: 4 bytes more per 256 columns, their 6-bit
 scales unpacked to bytes), padded to 16 bytes, so a kernel addresses any column with shifts and a load per part,
@@ -37,17 +42,20 @@ FORMATS = {
     "q4_k": (32, 256, 4),
     "q5_k": (32, 256, 5),
     "q6_k": (16, 256, 6),
+    "iq3_s": (32, 256, 3),
 }
 # the formats' numbers in the kernels (a constexpr); 0 is a plain weight
-KERNEL_FORMAT = {"q8_0": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
+KERNEL_FORMAT = {"q8_0": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "iq3_s": 6}
 _CODE_DTYPE = {"q8_0": torch.int8, "fp8": torch.float8_e4m3fn}
 _SCALE_DTYPE = {"q8_0": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8, "q5_k": torch.uint8,
-                "q6_k": torch.int8}
+                "q6_k": torch.int8, "iq3_s": torch.uint8}
 
 
 def part_sizes(fmt: str, k: int) -> dict[str, int]:
     """Each part's bytes in a row of k columns, in the record's order."""
     group, superblock, bits = FORMATS[fmt]
+    if fmt == "iq3_s":  # GGUF's own parts, regrouped by kind
+        return {"codes": k // 4, "signs": k // 8, "high": k // 32, "scales": k // 64, "supers": k // 128}
     sizes = {"codes": k if bits == 8 else k // 2}
     if fmt == "q6_k":  # its top bits next to the codes, so that they start at a 4-byte boundary for every k
         sizes["high"] = k // 4
@@ -88,7 +96,7 @@ class PackedWeight:
     def __init__(self, fmt: str, shape: tuple[int, ...], codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, supers: torch.Tensor | None = None,
                  high: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                 data: torch.Tensor | None = None):
+                 data: torch.Tensor | None = None, signs: torch.Tensor | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"packed format {fmt!r} is unknown (known: {', '.join(FORMATS)})")
         group, superblock, _ = FORMATS[fmt]
@@ -98,7 +106,7 @@ class PackedWeight:
         self.fmt, self.shape, self.dtype = fmt, tuple(shape), dtype
         lead = tuple(shape[:-1])
         if data is None:
-            given = {"codes": codes, "supers": supers, "scales": scales, "high": high}
+            given = {"codes": codes, "supers": supers, "scales": scales, "high": high, "signs": signs}
             parts = [_as_bytes(given[name], lead) for name in part_sizes(fmt, k)]
             pad = row_bytes(fmt, k) - sum(part.shape[-1] for part in parts)
             if pad:
@@ -144,6 +152,10 @@ class PackedWeight:
     @property
     def high(self) -> torch.Tensor | None:
         return self._part("high")
+
+    @property
+    def signs(self) -> torch.Tensor | None:
+        return self._part("signs")
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +216,20 @@ def stack(parts: list[PackedWeight]) -> PackedWeight:
     return parts[0]._with(torch.stack([p.data for p in parts]))
 
 
+_GRIDS: dict = {}
+
+
+def iq3s_grid(device: torch.device | str = "cpu") -> torch.Tensor:
+    """IQ3_S's 512 grid points, uint8 [512, 4] (odd values 1 to 15), as `gguf` holds them."""
+    device = torch.device(device)
+    if device not in _GRIDS:
+        from gguf.quants import IQ3_S
+
+        IQ3_S.init_grid()
+        _GRIDS[device] = torch.from_numpy(IQ3_S.grid.reshape(512, 4).astype("uint8")).to(device)
+    return _GRIDS[device]
+
+
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> [..., K] int32: each byte's low nibble, then its high one."""
     c = codes.to(torch.int32)
@@ -239,6 +265,12 @@ def dequantize(w: PackedWeight | torch.Tensor) -> torch.Tensor:
         scale = _per_column(d, 256 // group) * sc
         low = _per_column(dmin, 256 // group) * mn
         return _per_column(scale, group) * code.float() - _per_column(low, group)
+    if w.fmt == "iq3_s":  # 9-bit indices of 4 grid values; db = d * (1 + 2 * scale) per 32; a sign per column
+        index = w.codes.to(torch.int64) | (_bits(w.high, 1).to(torch.int64) << 8)  # [..., K/4]
+        values = iq3s_grid(w.device)[index].flatten(-2).float()  # [..., K]
+        sign = 1.0 - 2.0 * _bits(w.signs, 1).float()
+        db = _per_column(w.supers.float(), 256 // group) * (1 + 2 * _bits(w.scales, 4)).float()  # [..., K/32]
+        return _per_column(db, group) * values * sign
     code = _nibbles(w.codes) | (_bits(w.high, 2) << 4)  # q6_k
     scale = _per_column(w.supers.float(), 256 // group) * w.scales.float()
     return _per_column(scale, group) * (code - 32).float()
