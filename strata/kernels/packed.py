@@ -138,18 +138,14 @@ def _dequantize_kernel(p_w, p_out, p_grid, N, K, s_row, FMT: tl.constexpr, BLOCK
     tl.store(p_out + o_n[:, None] * K + o_k[None, :], w.to(p_out.dtype.element_ty), mask=m_n[:, None] & (o_k < K)[None, :])
 
 
-_WORDS: dict = {}
-
-
 def grid_words(w: PackedWeight | torch.Tensor) -> torch.Tensor:
     """What the kernels take as p_grid for `w`: IQ3_S's grid as int32 words (byte c of word i: value c of point i)
-    on w's device for an iq3_s weight; any tensor of w's otherwise (not read)."""
+    on w's device for an iq3_s weight; any tensor of w's otherwise (not read). A view of the table
+    `PackedWeight.to` put on the device: nothing is copied here, so it may run while a CUDA graph is captured."""
     data = w.data if isinstance(w, PackedWeight) else w
     if not isinstance(w, PackedWeight) or w.fmt != "iq3_s":
         return data
-    if data.device not in _WORDS:
-        _WORDS[data.device] = iq3s_grid(data.device).contiguous().view(torch.int32).reshape(-1)
-    return _WORDS[data.device]
+    return iq3s_grid(data.device).view(torch.int32).reshape(-1)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -181,6 +181,8 @@ class PackedWeight:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "PackedWeight":
         """On `device`; `dtype` changes only the dtype tiles are rounded to (the bytes stay as they are)."""
         out = self._with(self.data.to(device)) if device is not None else self
+        if self.fmt == "iq3_s":
+            iq3s_grid(out.device)  # its table on the device now, not at a kernel's first launch (maybe in a capture)
         if dtype is not None:
             out = PackedWeight(self.fmt, self.shape, dtype=dtype, data=out.data)
         return out
