@@ -70,6 +70,20 @@ class Generate(GenerateSettings):
         run_generate(self)
 
 
+def _packed_plan(files, s: EngineSettings):
+    """What the engine will keep packed on a GPU (for the compile workers' random weights), or None."""
+    if s.torch_device().type != "cuda" or s.kernels == "torch" or s.dequantize_weights:
+        return None
+    try:
+        return files.packed_plan(s.torch_dtype())
+    except Exception as e:  # noqa: BLE001 - only the workers' coverage depends on it
+        import logging
+
+        logging.getLogger("strata.engine").warning(
+            "the compile workers will not compile the packed kernels ahead (the warm-up will): %s", e)
+        return None
+
+
 def run_engine(s: EngineSettings) -> None:
     from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine, default_window_tokens
@@ -91,7 +105,8 @@ def run_engine(s: EngineSettings) -> None:
         files.spec, device=s.torch_device(), dtype=s.torch_dtype(), kernels=s.kernels, max_cells=s.max_cells,
         max_window_tokens=s.max_window_tokens or default_window_tokens(s.torch_device()), num_slots=s.batch,
         lookahead=s.lookahead, single_stage=s.layer_split is None and s.expert_budget_gb is None,
-        workers=s.compile_workers)
+        workers=s.compile_workers,
+        plan=_packed_plan(files, s))
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
                     park_gb=s.park_gb, park_dir=s.park_dir, park_disk_gb=s.park_disk_gb, **s.stage_options())

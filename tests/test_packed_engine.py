@@ -436,3 +436,29 @@ def test_experts_split_with_the_pool_stay_packed(gguf_model, engines):
     got, want = decode(split, tokens), decode(whole, tokens)
     assert rel_err(got, want) < 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
     assert sum(p.pairs_here for p in split.stages[0].forward.pools.values()) > 0  # the pool did compute pairs
+
+
+def test_packed_plan_and_the_compile_workers_weights(gguf_model, engines):
+    """`ModelFiles.packed_plan` (a dry load on the meta device) says what the load keeps packed; the compile
+    workers cut the model to one layer of each kind and set of formats and pack their random weights so."""
+    from strata.model.random_weights import random_stage_weights
+    from strata.runtime.precompile import Job, _packed_as, kind_layers
+
+    packed = engines[0][0]
+    files = ModelFiles.open(gguf_model[1])
+    plan, head = files.packed_plan(torch.float32)
+    held = {i: {k: w.fmt for k, w in layer.items() if isinstance(w, PackedWeight)}
+            for i, layer in packed.weights.layers.items()}
+    assert plan == held and any(plan.values())
+    assert head == (packed.weights.lm_head.fmt if isinstance(packed.weights.lm_head, PackedWeight) else None)
+    spec = files.spec
+    keep = kind_layers(spec, plan)
+    assert keep == [0, 1] and kind_layers(spec) == [0]  # the two layers differ in formats, not in kind
+    from dataclasses import replace
+
+    cut = replace(spec, layers=tuple(spec.layers[i] for i in keep))
+    formats = tuple(tuple(sorted(plan[i].items())) for i in keep)
+    job = Job(spec, "cpu", torch.float32, 16, 4, 1, 0, layers=tuple(keep), formats=formats, head_format=head)
+    weights = _packed_as(random_stage_weights(cut, range(len(keep)), torch.device("cpu"), torch.float32), job)
+    got = {j: {k: w.fmt for k, w in layer.items() if isinstance(w, PackedWeight)} for j, layer in weights.layers.items()}
+    assert got == {j: plan[i] for j, i in enumerate(keep)}

@@ -64,6 +64,19 @@ class ModelFiles:
             spec = ModelSpec(**{**spec.__dict__, "num_mtp_layers": mtp})
         return cls(ckpt, family, spec, ckpt.tokenizer())
 
+    def packed_plan(self, dtype: torch.dtype) -> tuple[dict[int, dict[str, str]], str | None]:
+        """What `load(..., packed=True)` keeps packed, without reading a tensor: per layer, each neutral weight's
+        packed format (`strata.quant.packed`), and the head's (None: plain). A dry load onto the meta device by
+        the loader's own rules (parts of different types joined: plain)."""
+        from strata.quant.packed import PackedWeight
+
+        weights = load_stage_weights(_ShapesOnly(self.checkpoint), self.family, self.spec,
+                                     range(self.spec.num_layers), torch.device("meta"), dtype, packed=True)
+        fmt = lambda w: w.fmt if isinstance(w, PackedWeight) else None  # noqa: E731
+        layers = {i: {k: w.fmt for k, w in layer.items() if isinstance(w, PackedWeight)}
+                  for i, layer in weights.layers.items()}
+        return layers, fmt(weights.lm_head)
+
     def load(self, device: torch.device, dtype: torch.dtype, layers: range | None = None, trim: bool = True,
              resident: dict[int, tuple[int, ...]] | None = None, packed: bool = False,
              split_packed: bool = True) -> StageWeights:
@@ -75,3 +88,33 @@ class ModelFiles:
             first=layers.start == 0, last=layers.stop == self.spec.num_layers, trim=trim, resident=resident,
             packed=packed, split_packed=split_packed,
         )
+
+
+class _ShapesOnly:
+    """A checkpoint's names, shapes and packed formats, with every tensor an empty one on the meta device."""
+
+    def __init__(self, inner):
+        self.inner, self.path, self.config = inner, inner.path, inner.config
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        dtype = torch.int64 if name == "mtp.draft_vocab" else dtype
+        return torch.empty(self.inner.shape(name), dtype=dtype, device="meta")
+
+    def load_packed(self, name: str, dtype: torch.dtype = torch.bfloat16):
+        from strata.quant.packed import PackedWeight, row_bytes
+
+        fmt = self.inner.packed_format(name) if hasattr(self.inner, "packed_format") else None
+        if fmt is None:
+            return None
+        *lead, k = self.inner.shape(name)
+        data = torch.empty(*lead, row_bytes(fmt, k), dtype=torch.uint8, device="meta")
+        return PackedWeight(fmt, tuple(self.inner.shape(name)), dtype=dtype, data=data)
+
+    def qtype_name(self, name: str) -> str:
+        return self.inner.qtype_name(name) if hasattr(self.inner, "qtype_name") else "?"

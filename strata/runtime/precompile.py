@@ -34,15 +34,25 @@ CONTEXT_BYTES = 1 << 30  # a worker's CUDA context, activations and graph memory
 MAX_WORKERS = 8
 
 
-def layer_kinds(spec: ModelSpec) -> ModelSpec:
-    """The spec cut to the first layer of each (mixer, MLP) kind, in model order: the kernels of a window over
-    these layers are the kernels of a window over all of them."""
+Plan = dict[int, dict[str, str]]  # per layer, its packed weights' formats (`ModelFiles.packed_plan`)
+
+
+def kind_layers(spec: ModelSpec, plan: Plan | None = None) -> list[int]:
+    """The first layer of each (mixer, MLP) kind, in model order; with a `plan`, of each kind and set of packed
+    formats (a kernel is compiled per format: llama.cpp's mixes give layers of one kind several)."""
     kinds, keep = set(), []
-    for layer in spec.layers:
-        if (layer.mixer, layer.mlp) not in kinds:
-            kinds.add((layer.mixer, layer.mlp))
-            keep.append(layer)
-    return replace(spec, layers=tuple(keep))
+    for i, layer in enumerate(spec.layers):
+        kind = (layer.mixer, layer.mlp, tuple(sorted((plan or {}).get(i, {}).items())))
+        if kind not in kinds:
+            kinds.add(kind)
+            keep.append(i)
+    return keep
+
+
+def layer_kinds(spec: ModelSpec, plan: Plan | None = None) -> ModelSpec:
+    """The spec cut to `kind_layers`: the kernels of a window over these layers are the kernels of a window over
+    all of them."""
+    return replace(spec, layers=tuple(spec.layers[i] for i in kind_layers(spec, plan)))
 
 
 def worker_bytes(spec: ModelSpec, num_slots: int, max_cells: int, dtype: torch.dtype) -> int:
@@ -73,10 +83,14 @@ class Job:
     num_slots: int
     lookahead: int
     kernels: str = "triton"
+    layers: tuple = ()  # the model's layers the cut model keeps (`kind_layers`; empty: one of each kind)
+    formats: tuple = ()  # per layer of the cut model, its packed weights' (name, format) pairs
+    head_format: str | None = None
 
 
 def _work(job: Job, share: tuple[int, int]) -> None:
-    """One worker: the cut model with random weights, the same slots, its share of the warm-up."""
+    """One worker: the cut model with random weights (packed as the model's are), the same slots, its share of
+    the warm-up."""
     import sys
 
     os.dup2(2, 1)  # the engine's standard output is the protocol: nothing of a worker's may reach it
@@ -85,16 +99,28 @@ def _work(job: Job, share: tuple[int, int]) -> None:
     from strata.runtime.generate import Engine
     from strata.runtime.warmup import warm_up
 
-    spec = layer_kinds(job.spec)
+    spec = replace(job.spec, layers=tuple(job.spec.layers[i] for i in job.layers)) if job.layers else layer_kinds(job.spec)
     device = torch.device(job.device)
     if device.type == "cuda":
         if device.index is None:  # "cuda": the process's current card, as the engine's own tensors take it
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    weights = lambda layers, dev, trim: random_stage_weights(spec, layers, dev, job.dtype)  # noqa: E731
+    weights = lambda layers, dev, trim: _packed_as(random_stage_weights(spec, layers, dev, job.dtype), job)  # noqa: E731
     engine = Engine(None, spec=spec, weights=weights, device=device, dtype=job.dtype, max_cells=job.max_cells,
                     max_window_tokens=job.max_window_tokens, park_gb=0, lookahead=job.lookahead, kernels=job.kernels)
     warm_up(engine.init_slots(job.num_slots), progress=lambda done, what: None, share=share)
+
+
+def _packed_as(weights, job: Job):
+    """Random weights quantized and packed where the model's are, so the packed kernels' variants compile."""
+    from strata.quant.online import quantize_weight
+
+    for j, pairs in enumerate(job.formats):
+        for key, fmt in pairs:
+            weights.layers[j][key] = quantize_weight(weights.layers[j][key], fmt, job.dtype)
+    if job.head_format is not None and weights.lm_head is not None:
+        weights.lm_head = quantize_weight(weights.lm_head, job.head_format, job.dtype)
+    return weights
 
 
 class CompileWorkers:
@@ -124,10 +150,12 @@ class CompileWorkers:
 
 def start_compile_workers(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype, kernels: str, max_cells: int,
                           max_window_tokens: int, num_slots: int, lookahead: int, single_stage: bool,
-                          workers: int | None = None) -> CompileWorkers | None:
+                          workers: int | None = None,
+                          plan: tuple[Plan, str | None] | None = None) -> CompileWorkers | None:
     """Compile workers for an engine about to load `spec`, or None where they would not help or fit: not a GPU,
     not the Triton kernels, several stages or CPU experts (`single_stage` False), `workers` 0, or too little
-    GPU memory beside the model for even two of them."""
+    GPU memory beside the model for even two of them. `plan`: the weights the engine keeps packed
+    (`ModelFiles.packed_plan`), which the workers' random weights copy."""
     if device.type != "cuda" or kernels == "torch" or not single_stage or workers == 0:
         return None
     from autoconfig.facts import model_facts_from_spec
@@ -144,5 +172,9 @@ def start_compile_workers(spec: ModelSpec, *, device: torch.device, dtype: torch
                  f"{each / 2**30:.1f}")
         return None
     lookahead = (1 if device.type == "cuda" else 0) if lookahead is None else lookahead
-    job = Job(spec, str(device), dtype, max_cells, max_window_tokens, num_slots, lookahead)
+    layers, head = plan if plan is not None else ({}, None)
+    keep = tuple(kind_layers(spec, layers))
+    formats = tuple(tuple(sorted(layers.get(i, {}).items())) for i in keep)
+    job = Job(spec, str(device), dtype, max_cells, max_window_tokens, num_slots, lookahead, layers=keep,
+              formats=formats, head_format=head)
     return CompileWorkers(job, count)
