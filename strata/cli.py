@@ -70,18 +70,23 @@ class Generate(GenerateSettings):
         run_generate(self)
 
 
-def _packed_plan(files, s: EngineSettings):
-    """What the engine will keep packed on a GPU (for the compile workers' random weights), or None."""
+def _packed_workers(files, s: EngineSettings) -> dict:
+    """For the compile workers of an engine that keeps weights packed on a GPU: what it packs (the workers'
+    random weights copy it) and its weights' packed size (the room left beside them); {} otherwise."""
     if s.torch_device().type != "cuda" or s.kernels == "torch" or s.dequantize_weights:
-        return None
+        return {}
     try:
-        return files.packed_plan(s.torch_dtype())
+        from autoconfig.facts import read_model
+
+        size = s.torch_dtype().itemsize
+        return dict(plan=files.packed_plan(s.torch_dtype()),
+                    model_bytes=read_model(s.model, bytes_per_param=size, packed=True).weight_bytes)
     except Exception as e:  # noqa: BLE001 - only the workers' coverage depends on it
         import logging
 
         logging.getLogger("strata.engine").warning(
             "the compile workers will not compile the packed kernels ahead (the warm-up will): %s", e)
-        return None
+        return {}
 
 
 def run_engine(s: EngineSettings) -> None:
@@ -106,7 +111,7 @@ def run_engine(s: EngineSettings) -> None:
         max_window_tokens=s.max_window_tokens or default_window_tokens(s.torch_device()), num_slots=s.batch,
         lookahead=s.lookahead, single_stage=s.layer_split is None and s.expert_budget_gb is None,
         workers=s.compile_workers,
-        plan=_packed_plan(files, s))
+        **_packed_workers(files, s))
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
                     park_gb=s.park_gb, park_dir=s.park_dir, park_disk_gb=s.park_disk_gb, **s.stage_options())

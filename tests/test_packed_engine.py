@@ -462,3 +462,27 @@ def test_packed_plan_and_the_compile_workers_weights(gguf_model, engines):
     weights = _packed_as(random_stage_weights(cut, range(len(keep)), torch.device("cpu"), torch.float32), job)
     got = {j: {k: w.fmt for k, w in layer.items() if isinstance(w, PackedWeight)} for j, layer in weights.layers.items()}
     assert got == {j: plan[i] for j, i in enumerate(keep)}
+
+
+def test_compile_workers_fit_beside_the_packed_size(gguf_model, monkeypatch):
+    """The room left for compile workers is the GPU's free memory less the model as the engine will hold it: a
+    quantized model at its packed size (`read_model(packed=True)`), not at bfloat16's. Sizing only: the GPU's
+    free memory is given and the workers are not started."""
+    from autoconfig.facts import read_model
+    from strata.runtime import precompile
+
+    spec = ModelFiles.open(gguf_model[1]).spec
+    packed = read_model(gguf_model[1], bytes_per_param=2, packed=True).weight_bytes
+    plain = read_model(gguf_model[1], bytes_per_param=2).weight_bytes
+    each = precompile.worker_bytes(spec, 1, 16, torch.bfloat16)
+    free = plain + 3 * each  # (90 % of the room is used) at least two workers beside the packed model
+    started = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    monkeypatch.setattr(precompile, "usable_cores", lambda: 16)
+    monkeypatch.setattr(precompile, "CompileWorkers", lambda job, count: started.append(count) or count)
+    kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, kernels="triton", max_cells=16, max_window_tokens=4,
+              num_slots=1, lookahead=0, single_stage=True)
+    assert packed < plain
+    assert precompile.start_compile_workers(spec, **kw, model_bytes=packed) == started[-1] >= 2
+    assert precompile.start_compile_workers(spec, **kw, model_bytes=plain + each) is None  # one only: none
+    assert len(started) == 1

@@ -151,17 +151,19 @@ class CompileWorkers:
 def start_compile_workers(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype, kernels: str, max_cells: int,
                           max_window_tokens: int, num_slots: int, lookahead: int, single_stage: bool,
                           workers: int | None = None,
-                          plan: tuple[Plan, str | None] | None = None) -> CompileWorkers | None:
+                          plan: tuple[Plan, str | None] | None = None,
+                          model_bytes: int | None = None) -> CompileWorkers | None:
     """Compile workers for an engine about to load `spec`, or None where they would not help or fit: not a GPU,
     not the Triton kernels, several stages or CPU experts (`single_stage` False), `workers` 0, or too little
     GPU memory beside the model for even two of them. `plan`: the weights the engine keeps packed
-    (`ModelFiles.packed_plan`), which the workers' random weights copy."""
+    (`ModelFiles.packed_plan`), which the workers' random weights copy. `model_bytes`: what the engine's weights
+    will take on the device (default: `spec`'s at `dtype`; a packed model takes less)."""
     if device.type != "cuda" or kernels == "torch" or not single_stage or workers == 0:
         return None
     from autoconfig.facts import model_facts_from_spec
 
     size = torch.tensor([], dtype=dtype).element_size()
-    model = model_facts_from_spec(spec, bytes_per_param=size).weight_bytes
+    model = model_bytes if model_bytes is not None else model_facts_from_spec(spec, bytes_per_param=size).weight_bytes
     free, _ = torch.cuda.mem_get_info(device)
     each = worker_bytes(spec, num_slots, max_cells, dtype)
     room = int((free - model) * 0.9) // each
