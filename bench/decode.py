@@ -267,6 +267,19 @@ def time_transformers(model, rows: int, tokens: int, prompt_len: int) -> float:
     return rows * tokens / ((t2 - t1) - (t1 - t0))
 
 
+def captured_step(engine, rows: int, prompt_len: int, bw: float):
+    """`rows` conversations past their prompts with their decode step captured: (a function that runs one step,
+    the step's roofline floor in seconds)."""
+    vocab = engine.spec.vocab_size
+    slots = engine.init_slots(rows)
+    for i in range(rows):
+        slots.admit_now(i, [(17 + 31 * i + 7 * j) % vocab for j in range(prompt_len)], 64, stop_ids=frozenset())
+    for _ in range(2):  # capture
+        slots.commit_slots(slots.run_slots())
+    floor = step_bytes(engine, rows, prompt_len, distinct_experts(engine.spec, rows)) / bw
+    return (lambda: slots.commit_slots(slots.run_slots())), floor
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
@@ -327,18 +340,12 @@ def main() -> None:
         print(f"{rows:>5} {ours:13.1f} {sampled:8.1f} {plain:13.1f} {no_pdl:8.1f} {ref_s} {speed} {experts:14.1f} {roof:15.1f} {ours / roof:11.0%}")
     for rows, chain in [(int(c), False) for c in args.profile.split(",") if c] + \
             [(int(c), True) for c in args.chain.split(",") if c]:
-        slots = engine.init_slots(rows)
-        for i in range(rows):
-            slots.admit_now(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
-                            stop_ids=frozenset())
-        for _ in range(2):  # capture
-            slots.commit_slots(slots.run_slots())
-        floor = step_bytes(engine, rows, args.prompt_len, distinct_experts(spec, rows)) / bw
+        step, floor = captured_step(engine, rows, args.prompt_len, bw)
         title = f"decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)"
         if chain:
-            print_chain_table(lambda: slots.commit_slots(slots.run_slots()), title, spec.num_layers)
+            print_chain_table(step, title, spec.num_layers)
         else:
-            print_kernel_table(lambda: slots.commit_slots(slots.run_slots()), title, top=20, steps=8)
+            print_kernel_table(step, title, top=20, steps=8)
 
 
 def time_packed(args, device: str) -> None:
@@ -366,16 +373,9 @@ def time_packed(args, device: str) -> None:
         print(f"{rows:>5} {b:11.1f} {b / roof_b:11.0%} {q:11.1f} {q / roof_p:11.0%} {q / b:7.2f}x {roof_p:16.1f}",
               flush=True)
     for rows in [int(c) for c in args.chain.split(",") if c]:
-        slots = packed.init_slots(rows)
-        for i in range(rows):
-            slots.admit_now(i, [(17 + 31 * i + 7 * j) % spec.vocab_size for j in range(args.prompt_len)], 64,
-                            stop_ids=frozenset())
-        for _ in range(2):  # capture
-            slots.commit_slots(slots.run_slots())
-        floor = step_bytes(packed, rows, args.prompt_len, distinct_experts(spec, rows)) / bw
-        print_chain_table(lambda: slots.commit_slots(slots.run_slots()),
-                          f"{args.weights} decode step at {rows} rows (its roofline floor: {floor * 1e3:.3f} ms)",
-                          spec.num_layers)
+        step, floor = captured_step(packed, rows, args.prompt_len, bw)
+        print_chain_table(step, f"{args.weights} decode step at {rows} rows (its roofline floor: "
+                          f"{floor * 1e3:.3f} ms)", spec.num_layers)
 
 
 if __name__ == "__main__":
