@@ -215,15 +215,16 @@ def _sysconf_ram() -> int:
 # ---------------------------------------------------------------------------------------------- model
 
 
-def read_model(path: str | Path, bytes_per_param: float = 2.0, packed: bool = False) -> ModelFacts:
-    """Facts from a model's own files (a Hugging Face folder, a .gguf file, or `default`), reading no tensor data.
+def read_model(path, bytes_per_param: float = 2.0, packed: bool = False) -> ModelFacts:
+    """Facts from a model's own files (a Hugging Face folder, a .gguf file, or `default`; or a `ModelFiles`
+    already open), reading no tensor data.
 
     Tensor sizes come from the checkpoint's shapes at `bytes_per_param`. Quantized weights count at their
     dequantized size, except with `packed` (the Triton kernels on a GPU keep them packed: `strata.quant.packed`)
     for the matrices the loader keeps packed, which count at their packed size (`packed_sizes`)."""
     from strata.model.loader import ModelFiles
 
-    files = ModelFiles.open(path)
+    files = path if isinstance(path, ModelFiles) else ModelFiles.open(path)
     spec, ckpt, prefix = files.spec, files.checkpoint, files.family.prefix
     layer_re = re.compile(re.escape(prefix) + r"layers\.(\d+)\.(.*)")
     expert = [0] * spec.num_layers
@@ -252,7 +253,8 @@ def read_model(path: str | Path, bytes_per_param: float = 2.0, packed: bool = Fa
     if spec.tie_embeddings:
         head += embed  # a split's last stage holds the embedding again as its head
     return ModelFacts(
-        name=str(path), **_spec_fields(spec, bytes_per_param), expert_bytes=expert, dense_bytes=dense,
+        name=str(ckpt.path if path is files else path), **_spec_fields(spec, bytes_per_param), expert_bytes=expert,
+        dense_bytes=dense,
         embed_bytes=embed, head_bytes=head, mtp_bytes=mtp,
     )
 
@@ -275,15 +277,14 @@ def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
             continue
         if (f := ckpt.packed_format(name)) is not None:
             fmt[name] = f
+    joined = {name: _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name)
+              for name in ckpt.names() if _FUSED.search(name)}  # a part -> the weight it is joined into
     groups: dict[str, set] = {}
-    for name in ckpt.names():
-        if _FUSED.search(name):
-            key = _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name)
-            groups.setdefault(key, set()).add(fmt.get(name))
+    for name, key in joined.items():
+        groups.setdefault(key, set()).add(fmt.get(name))
     sizes = {}
     for name, f in fmt.items():
-        key = _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name) if _FUSED.search(name) else None
-        if key is not None and len(groups[key]) > 1:
+        if name in joined and len(groups[joined[name]]) > 1:
             continue  # joined with a part of another format: dequantized
         *lead, n, k = ckpt.shape(name)
         sizes[name] = packed_nbytes(f, n, k) * math.prod(lead)

@@ -80,7 +80,7 @@ def _packed_workers(files, s: EngineSettings) -> dict:
 
         size = s.torch_dtype().itemsize
         return dict(plan=files.packed_plan(s.torch_dtype()),
-                    model_bytes=read_model(s.model, bytes_per_param=size, packed=True).weight_bytes)
+                    model_bytes=read_model(files, bytes_per_param=size, packed=True).weight_bytes)
     except Exception as e:  # noqa: BLE001 - only the workers' coverage depends on it
         import logging
 

@@ -473,6 +473,7 @@ def test_compile_workers_fit_beside_the_packed_size(gguf_model, monkeypatch):
 
     spec = ModelFiles.open(gguf_model[1]).spec
     packed = read_model(gguf_model[1], bytes_per_param=2, packed=True).weight_bytes
+    assert read_model(ModelFiles.open(gguf_model[1]), bytes_per_param=2, packed=True).weight_bytes == packed  # as cli
     plain = read_model(gguf_model[1], bytes_per_param=2).weight_bytes
     each = precompile.worker_bytes(spec, 1, 16, torch.bfloat16)
     free = plain + 3 * each  # (90 % of the room is used) at least two workers beside the packed model

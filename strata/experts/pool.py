@@ -88,7 +88,7 @@ class ExpertPool:
         bf16 matrix units stream at up to 1.6x the rate of the plain layout (bench/experts.py)."""
         ids = offloaded["ids"].long()
         self.num_here = int(ids.numel())
-        dtype = next(w.dtype for w in (offloaded["gate_up"], offloaded["down"]))  # the rows' (a packed one: its tiles')
+        dtype = offloaded["gate_up"].dtype  # the rows' (a packed weight's: its tiles')
         gate_up, down = (_pool_matrices(offloaded[n], dtype) for n in ("gate_up", "down"))
         self.int4 = isinstance(gate_up, list) or isinstance(down, list)  # q4_k experts read as they are
         size = lambda w: sum(m.nbytes for m in w) if isinstance(w, list) else w.numel() * w.element_size()  # noqa: E731

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.quant.packed import PackedWeight
-
 from strata.model.spec import ModelSpec
+from strata.quant.packed import PackedWeight
 
 Tensors = dict[str, torch.Tensor]
 

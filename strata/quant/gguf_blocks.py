@@ -171,10 +171,10 @@ def _iq3_s(x: torch.Tensor) -> torch.Tensor:
     sc = ((_ratio(db, d.float()) - 1) / 2).round_().clamp_(0, 15)
     t = _ratio(xs.abs(), (d.float() * (1 + 2 * sc))[..., None]).reshape(-1, 4)  # [B * 64, 4] in grid units
     grid = iq3s_grid(x.device).float()  # [512, 4]
+    norms = (grid * grid).sum(-1)
     index = torch.empty(t.shape[0], dtype=torch.int64, device=x.device)
     for i in range(0, t.shape[0], _GROUPS):
-        part = t[i : i + _GROUPS]
-        index[i : i + _GROUPS] = ((grid * grid).sum(-1) - 2 * part @ grid.T).argmin(-1)  # nearest: |g|^2 - 2 t.g
+        index[i : i + _GROUPS] = (norms - 2 * t[i : i + _GROUPS] @ grid.T).argmin(-1)  # nearest: |g|^2 - 2 t.g
     index = index.view(-1, 64)
     qs = (index & 255).to(torch.uint8)
     qh = _pack((index >> 8).to(torch.uint8), 1)
