@@ -87,3 +87,16 @@ def server():
     srv = Server("--batch", "4")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory):
+    """A real Kubernetes control plane (tests/kube_cluster.py), started by the first test that needs it."""
+    from tests.kube_cluster import ControlPlane
+
+    plane = ControlPlane(tmp_path_factory.mktemp("kube"))
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()

@@ -21,7 +21,35 @@ CHART = REPO / "helm" / "strata"
 INSTALL = ".ci/install-deploy-tools"
 
 
-K8S_VERSIONS = ("1.28.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas
+SERVER_ON = ["server.enabled=true"]
+MONITORING_ON = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "dashboards.enabled=true"]
+# The combinations docs/DEPLOY.md documents, as --set arguments.
+COMBINATIONS = {
+    "default": [],
+    "operator-only": ["dashboards.enabled=false"],
+    "operator-namespaced": ["operator.watchNamespaces={team-a,team-b}"],
+    "server-only": ["operator.enabled=false", "crds.install=false", *SERVER_ON, "dashboards.enabled=false"],
+    "server-monitoring": ["operator.enabled=false", "crds.install=false", *SERVER_ON, *MONITORING_ON],
+    "server-hostpath": [*SERVER_ON, "server.modelCache.type=hostPath", "server.runtimeClassName=nvidia",
+                        "server.nodeSelector.nvidia\\.com/gpu\\.product=NVIDIA-H200", "server.gpus=2"],
+    "server-existing-claim": [*SERVER_ON, "server.modelCache.pvc.existingClaim=models", "server.model=Qwen3-30B-A3B",
+                              "server.apiKey.existingSecret=strata-key"],
+    "server-cpu": [*SERVER_ON, "server.gpus=0", "server.device=cpu", "server.modelCache.type=emptyDir"],
+    "everything": [*SERVER_ON, *MONITORING_ON],
+    "server-client-ip": [*SERVER_ON, "server.service.sessionAffinity=ClientIP",
+                         "server.service.sessionAffinityTimeoutSeconds=3600"],
+    "server-ingress": [*SERVER_ON, "server.ingress.enabled=true"],
+    "server-ingress-header": [*SERVER_ON, "server.ingress.enabled=true", "server.ingress.className=nginx",
+                              "server.ingress.host=llm.example.com", "server.ingress.affinity=header",
+                              "server.ingress.tls[0].secretName=strata-tls",
+                              "server.ingress.tls[0].hosts[0]=llm.example.com"],
+    "server-ingress-custom-header": [*SERVER_ON, "server.ingress.enabled=true", "server.ingress.affinity=header",
+                                     "server.ingress.sessionHeader=X-Chat-Id", "server.service.port=80"],
+    "monitoring-off": ["dashboards.enabled=false", "serviceMonitor.enabled=false", "prometheusRule.enabled=false"],
+}
+
+K8S_VERSIONS = ("1.28.0", "1.37.0")  # schemas of an older and the newest release (the chart also installs into a
+# real v1.20 API server: tests/test_kube_chart.py)
 
 
 def validate_k8s(obj: dict, where: str = "", versions: tuple[str, ...] = K8S_VERSIONS) -> None:

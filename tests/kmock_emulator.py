@@ -27,12 +27,32 @@ import kmock
 from kmock._internal import apps, dicts, enums, rendering
 
 
+@attrs.define
+class Fault:
+    """An injected failure: the next `times` requests of `method` whose path contains `path` answer `status`."""
+
+    method: str
+    path: str
+    status: int
+    times: int = 1
+    hits: int = 0
+
+
 @attrs.define(kw_only=True)
 class StrataEmulator(kmock.KubernetesEmulator):
     _version: int = attrs.field(default=0, init=False)
     _log: list[tuple[int, Any, dict]] = attrs.field(factory=list, init=False)  # (resourceVersion, resource, event)
+    faults: list[Fault] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        for fault in self.faults:
+            if fault.hits < fault.times and request.method.upper() == fault.method and fault.path in str(request.url):
+                fault.hits += 1
+                reason = {409: "AlreadyExists", 429: "TooManyRequests", 500: "InternalError"}.get(fault.status,
+                                                                                              "ServiceUnavailable")
+                return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                  "reason": reason, "code": fault.status,
+                                                  "message": f"injected: {reason}"}, status=fault.status)
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
                                                                enums.action.DELETE):
             async with self._lock:
@@ -231,12 +251,19 @@ class ApiServer:
         self._ready = threading.Event()
         self._stopping: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._emulator: StrataEmulator | None = None
 
     def start(self) -> ApiServer:
         self._thread.start()
         if not self._ready.wait(30) or self._error:
             raise RuntimeError(f"the emulated API server did not start: {self._error!r}")
         return self
+
+    def inject(self, method: str, path: str, status: int, times: int = 1) -> Fault:
+        """Make the next `times` matching requests fail with `status` (counted in the returned Fault's `hits`)."""
+        fault = Fault(method.upper(), path, status, times)
+        self._loop.call_soon_threadsafe(self._emulator.faults.append, fault)
+        return fault
 
     def stop(self) -> None:
         if self._stopping is not None:
@@ -247,6 +274,7 @@ class ApiServer:
         self._stopping = asyncio.Event()
         try:
             async with StrataEmulator() as emulator, kmock.Server(emulator) as server:
+                self._emulator = emulator
                 emulator.resources.load_bundled()  # kopf needs namespaces, events and the CRDs in discovery
                 for key, info in self.resources.items():
                     emulator.resources[key] = info
