@@ -604,16 +604,19 @@ def _get(url: str) -> dict | None:
 
 
 def test_injected_api_faults_are_retried_until_the_children_and_status_are_right(api, operator, deployed):
-    """What a real API server does not do on demand: fail. A 503 on creating the first Deployment, a 500 on listing
-    ConfigMaps and a 429 on writing the status: the operator retries each and ends with every child made once."""
+    """What a real API server does not do on demand: fail. A 503 on creating the first Deployment, a 409 on creating
+    the Service, a 500 on listing ConfigMaps and a 429 on writing the status: the operator retries each and ends
+    with every child made once."""
     ns, name = "faults", "flaky"
     faults = [api.inject("POST", f"/namespaces/{ns}/deployments", 503),
+              api.inject("POST", f"/namespaces/{ns}/services", 409),
               api.inject("GET", f"/namespaces/{ns}/configmaps?", 500),
               api.inject("PATCH", f"/namespaces/{ns}/stratadeployments/{name}/status", 429)]
     deployed(resource(name, ns, replicas=2))
     wait_for("two Deployments", lambda: len(operator.owned("Deployment", ns, name)) == 2, timeout=30)
     wait_for("the status", lambda: operator.status(ns, name).get("profiles"), timeout=30)
-    assert [f.hits for f in faults] == [1, 1, 1]
+    wait_for("the Service", lambda: operator.get("Service", ns, name), timeout=30)
+    assert [f.hits for f in faults] == [1, 1, 1, 1]
     operator.roll_out(ns, name)
     wait_for("Ready", lambda: operator.condition(ns, name, "Ready").get("status") == "True", timeout=30)
     for kind, count in (("Deployment", 2), ("ConfigMap", 2), ("Service", 1)):
