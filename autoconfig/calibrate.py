@@ -15,7 +15,7 @@ from typing import Any, Callable
 from autoconfig.rules import Proposal
 
 # settings a single-device Engine does not take: passed by name where this build's Engine accepts them
-SPLIT_KEYS = ("layer_split", "split_device", "trim_stage_weights", "expert_budget_gb", "cpu_threads")
+SPLIT_KEYS = ("layer_split", "split_device", "trim_stage_weights", "expert_budget_gb", "cpu_threads", "pcie_frac")
 SLOT_KEYS = ("batch_groups",)  # taken by `init_slots`: candidates that differ only in these share an engine
 
 

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -48,6 +49,8 @@ class HostFacts(BaseModel):
     ram_total_bytes: int
     ram_available_bytes: int
     cpu_cores: int = Field(description="CPUs this process may use (affinity and cgroup quota)")
+    ram_read_gbps: float = Field(0.0, description="measured: GB/s this process's threads read host RAM at (a sum "
+                                 "over a buffer larger than the caches); 0 when not measured")
 
 
 class MachineFacts(BaseModel):
@@ -104,8 +107,28 @@ def load_facts(path: str | Path) -> MachineFacts | Facts:
 
 
 def read_machine(node: bool = False) -> MachineFacts:
-    """This machine's GPUs (through NVML; none when `nvidia-ml-py` or a driver is missing) and host."""
-    return MachineFacts(gpus=read_gpus(), host=read_host(node=node))
+    """This machine's GPUs (through NVML; none when `nvidia-ml-py` or a driver is missing) and host, with the host's
+    RAM read bandwidth measured (about a quarter of a second)."""
+    host = read_host(node=node)
+    host.ram_read_gbps = measure_ram_read_gbps()
+    return MachineFacts(gpus=read_gpus(), host=host)
+
+
+def measure_ram_read_gbps(nbytes: int = 512 * 2**20, repeats: int = 3) -> float:
+    """GB/s torch's threads read host RAM at: the best of `repeats` sums over a buffer of `nbytes` (0.0 without
+    torch). What the CPU expert pool's products can read at best."""
+    try:
+        import torch
+    except ImportError:
+        return 0.0
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # touch it once: the pages are mapped before the timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(nbytes / best / 1e9, 1)
 
 
 def read_gpus() -> list[GpuFacts]:

@@ -27,6 +27,9 @@ from autoconfig.memory import (
 DEFAULT_CONTEXT = 8192
 MAX_SLOTS = 256  # EngineSettings.batch's limit
 HOST_CORES = 2  # cores kept for the engine's host loop and the HTTP server
+# The CPU pool's products read host experts at about this share of the RAM read bandwidth measured by a plain sum
+# (bench/experts.py on the H200 host: 17-31 GB/s in windows against 90-104 GB/s measured, docs/PERFORMANCE.md)
+POOL_READ_SHARE = 0.25
 STATE_SHARE = 0.25  # when experts spill to the CPU, state takes at most this share of the VRAM left after dense weights
 
 
@@ -303,9 +306,12 @@ def _gpu_settings(model: ModelFacts, gpus: list[GpuFacts], cards: list[GpuFacts]
         why["cpu_threads"] = (f"{threads}: the CPU pool computes the rows whose experts are in RAM; the host's "
                               f"{host.cpu_cores} cores less {host.cpu_cores - threads} for the engine's host loop and "
                               "the server")
+        s["pcie_frac"], why["pcie_frac"] = _pcie_frac(cards, host)
     else:
         s["expert_budget_gb"] = None
         s["cpu_threads"] = None
+        s["pcie_frac"] = 0.0
+        why["pcie_frac"] = "0: no expert is in host RAM"
         if model.num_experts:
             why["expert_budget_gb"] = "not set: every expert fits in VRAM and stays resident"
             why["cpu_threads"] = "not set: every expert is resident, the CPU pool stays idle"
@@ -338,6 +344,21 @@ def _split_reason(model: ModelFacts, cards: list[GpuFacts], stages: list[StagePl
         reason += "; " + ", ".join(f"{_card(g)} is on a slow link ({g.link})" for g in slow) + (
             ", but every expert is resident, so only the small hand-offs cross it and its share is not cut")
     return reason
+
+
+def _pcie_frac(cards: list, host) -> tuple[float, str]:
+    """The share of the host experts the GPU computes after uploading them, so that the link's uploads and the CPU
+    pool's products take the same time: F / link = (1 - F) / pool, F = link / (link + pool)."""
+    link = min(g.link_gbps for g in cards) if cards else 0.0
+    if not link:
+        return 0.0, "0: the cards' PCIe links are not known"
+    if not host.ram_read_gbps:
+        return 0.0, "0: the host's RAM read bandwidth was not measured (the CPU pool computes every host expert)"
+    pool = host.ram_read_gbps * POOL_READ_SHARE
+    frac = round(link / (link + pool), 2)
+    return frac, (f"{frac}: the link uploads {link:.0f} GB/s and the CPU pool reads about {pool:.0f} GB/s "
+                  f"({POOL_READ_SHARE:.0%} of the {host.ram_read_gbps:.0f} GB/s measured), so uploading that share "
+                  "of the host experts' weights takes as long as the CPU computing the rest")
 
 
 def _link_notes(cards: list[GpuFacts], spills: bool) -> list[str]:
@@ -395,6 +416,7 @@ def _cpu_proposal(model: ModelFacts, host: HostFacts, context: int, wishes: Wish
     s["cpu_threads"] = None
     why["cpu_threads"] = (f"not set: nothing is offloaded; torch computes the whole model on the host's "
                           f"{host.cpu_cores} cores")
+    s["pcie_frac"], why["pcie_frac"] = 0.0, "0: no GPU to upload experts to"
     s["kernels"], why["kernels"] = "torch", "torch: the reference kernels (the Triton kernels need a GPU)"
     s["cuda_graphs"], why["cuda_graphs"] = False, "false: no GPU"
     return p

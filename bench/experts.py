@@ -11,11 +11,14 @@ where the host's read bandwidth is measured here too (a streaming read of a 1 Gi
 best of a float32 sum and an int32 max) and the bytes come from the pools' own counts (`ExpertPool.experts_read`).
 Also printed: the CPU pool's host time per window, the host's wait for each layer's rows to arrive from the GPU,
 and the rate the pool read the weights at (bytes / its time), and the
-PCIe upload rate (pinned, 256 MB) for `--pcie-frac` to come.
+PCIe upload rate (pinned, 256 MB). With `--pcie-frac F1,F2,...` each partly resident row is run at each share of the
+host experts uploaded for the GPU to compute (`strata.experts.pool`), and the roofline's second term becomes the
+longer of the CPU's bytes at the host's read rate and the uploaded bytes at the PCIe rate.
 
     python bench/experts.py --shape qwen3-30b-a3b --layers 8 --resident 1,0.5,0.25,0.1 --rows 1,8
     python bench/experts.py --layers 8 --resident 0.5,0.25 --rows 8 --skew 2 --settle 256 --expert-residency hot
     python bench/experts.py --layers 8 --resident 1,0.5,0.25 --rows 1,8 --weights q4_k
+    python bench/experts.py --layers 8 --resident 1,0.5,0.25 --rows 1,8 --pcie-frac 0,0.3,0.5
 
 `--weights q4_k` quantizes the random weights as they load (`strata.quant.online`): the GPU keeps them packed and
 the CPU pool reads its experts 4-bit (`strata.experts.pool.Int4Expert`); the roofline counts those bytes.
@@ -92,6 +95,7 @@ def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) ->
             engine.refresh_experts()  # as the scheduler does (a fixed engine: nothing)
     sync(engine.device)
     before = [(p.busy_s, p.experts_read) for p in pools]
+    uploads = [p.experts_uploaded for p in pools]
     pairs = [(p.pairs_here, p.pairs_total) for p in pools]
     waited = sum(p.wait_s for p in pools)
     start = time.perf_counter()
@@ -104,11 +108,12 @@ def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) ->
     slots.flush()
     busy = sum(p.busy_s - b for p, (b, _) in zip(pools, before))
     read = sum((p.experts_read - n) * p.expert_bytes for p, (_, n) in zip(pools, before))
+    up = sum((p.experts_uploaded - n) * p.upload_expert_bytes for p, n in zip(pools, uploads))
     here = sum(p.pairs_here - a for p, (a, _) in zip(pools, pairs))
     total = sum(p.pairs_total - b for p, (_, b) in zip(pools, pairs))
     return {"tps": produced / elapsed, "window_s": elapsed / windows[0], "pool_s": busy / windows[0],
             "hit": 1 - here / total if total else 1.0,
-            "pool_bytes": read / windows[0], "wait_s": (sum(p.wait_s for p in pools) - waited) / windows[0]}
+            "pool_bytes": read / windows[0], "upload_bytes": up / windows[0], "wait_s": (sum(p.wait_s for p in pools) - waited) / windows[0]}
 
 
 def skewed(weights, spec, factor: float):
@@ -217,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                    "refreshes happen every 64)")
     p.add_argument("--weights", default="bf16", choices=("bf16", "q4_k", "q8_0", "q6_k", "q5_k", "iq3_s", "fp8"),
                    help="quantize the weights so and keep them packed (the pool reads q4_k experts 4-bit)")
+    p.add_argument("--pcie-frac", default="0", help="shares of the host experts uploaded for the GPU to compute, "
+                   "e.g. 0,0.3,0.5 (each partly resident row is run at each)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--prompt-read", type=int, default=0, help="also time one prompt of this many tokens read")
@@ -237,15 +244,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.shape}, {args.layers} layers ({moe_layers} MoE, {spec.moe.num_experts} experts of "
           f"{expert_bytes(spec, 2) / 1e6:.1f} MB in bf16, top-{spec.moe.top_k}), random weights, {args.weights}, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; {threads} CPU threads")
-    pcie = f"; PCIe upload {pcie_gbps(device):.1f} GB/s" if device.type == "cuda" else ""
+    link_bw = pcie_gbps(device) if device.type == "cuda" else float("inf")
+    pcie = f"; PCIe upload {link_bw:.1f} GB/s" if device.type == "cuda" else ""
     print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
-    print(f"{'resident':>8} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
-          f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9} {'on device':>9}")
-    def make_engine(share: float) -> Engine:
+    print(f"{'resident':>8} {'pcie':>4} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
+          f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9} {'up MB':>6} {'on device':>9}")
+    fracs = [float(x) for x in args.pcie_frac.split(",")]
+
+    def make_engine(share: float, frac: float = 0.0) -> Engine:
         budget = [share * all_experts_gb] if share < 1 else None
         return Engine(None, device=device, dtype=torch.bfloat16, max_cells=max(args.prompt_len + args.tokens + args.settle, args.prompt_read) + 96,
                       spec=spec, expert_budget_gb=budget, cpu_threads=args.cpu_threads, park_gb=0,
-                      expert_residency=args.expert_residency,
+                      expert_residency=args.expert_residency, pcie_frac=frac if budget else 0.0,
                       weights=lambda layers, dev, trim: quantized(skewed(
                           random_stage_weights(spec, layers, dev, torch.bfloat16), spec, args.skew), args.weights))
 
@@ -253,14 +263,16 @@ def main(argv: list[str] | None = None) -> None:
         from strata.runtime import fast_decode
 
         graphs = fast_decode.POOL_GRAPHS
-        good = all([check(lambda: make_engine(share), 8, args.tokens, args.prompt_len)
-                    for share in (float(x) for x in args.resident.split(","))])
+        good = all([check(lambda: make_engine(share, frac), 8, args.tokens, args.prompt_len)
+                    for share in (float(x) for x in args.resident.split(",")) for frac in fracs])
         fast_decode.POOL_GRAPHS = graphs
         if not good:
             sys.exit(1)
     full: dict[int, float] = {}
-    for share in (float(x) for x in args.resident.split(",")):
-        engine = make_engine(share)
+    runs = [(share, frac) for share in (float(x) for x in args.resident.split(","))
+            for frac in (fracs if share < 1 else [0.0])]
+    for share, frac in runs:
+        engine = make_engine(share, frac)
         if args.prompt_read:
             prompt = [(11 + 13 * j) % spec.vocab_size for j in range(args.prompt_read)]
             times = []
@@ -276,12 +288,14 @@ def main(argv: list[str] | None = None) -> None:
             m = measure(engine, rows, args.tokens, args.prompt_len, args.settle)
             if share >= 1:
                 full[rows] = m["window_s"]
-            floor = full.get(rows, float("nan")) + m["pool_bytes"] / (host_bw * 1e9)
+            # the CPU's bytes and the uploads run at once: the longer of the two
+            floor = full.get(rows, float("nan")) + max(m["pool_bytes"] / (host_bw * 1e9),
+                                                        m["upload_bytes"] / (link_bw * 1e9))
             roof = rows / floor
             pool_rate = m["pool_bytes"] / m["pool_s"] / 1e9 if m["pool_s"] else float("nan")
-            print(f"{share:>8.0%} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
+            print(f"{share:>8.0%} {frac:>4.2g} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
                   f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
-                  f"{pool_rate:>9.1f} {m['hit']:>9.1%}", flush=True)
+                  f"{pool_rate:>9.1f} {m['upload_bytes'] / 1e6:>6.1f} {m['hit']:>9.1%}", flush=True)
         del engine
         torch.cuda.empty_cache()
 

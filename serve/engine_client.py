@@ -215,7 +215,8 @@ class EngineClient:
         elif kind == "EXPERTS":
             try:
                 seconds = float(words[3]) if len(words) > 3 else 0.0
-                self.metrics.expert_pairs(_field(words, 1), _field(words, 2), seconds, _field(words, 4))
+                self.metrics.expert_pairs(_field(words, 1), _field(words, 2), seconds, _field(words, 4),
+                                          _field(words, 5), _field(words, 6))
             except ValueError:
                 log.warning("engine: an EXPERTS line that does not parse: %s", line)
         elif kind == "SPEC":

@@ -216,6 +216,11 @@ class _StrataCollector(Collector):
                                    labels=["model_name", "engine"])
         read.add_metric(labels, float(facts["expert_pool"]["bytes"]))
         yield read
+        upload = CounterMetricFamily("strata:expert_upload_bytes", "Bytes of host experts' weights uploaded over PCIe "
+                                     "for the device to compute their pairs (--pcie-frac; per window: divide by "
+                                     "vllm:iteration_tokens_total_count)", labels=["model_name", "engine"])
+        upload.add_metric(labels, float(facts["expert_pool"].get("upload_bytes", 0)))
+        yield upload
         reused = CounterMetricFamily("strata:parked_reused_bytes", "Bytes of restored conversations' K/V cells that "
                                      "parking them again did not copy again (reuse on re-park)",
                                      labels=["model_name", "engine"])
@@ -246,10 +251,11 @@ class Metrics:
         self._parked = (0, 0, 0, 0)  # conversations parked in the engine's host RAM, their bytes; the same on disk
         self._reused_bytes = 0  # bytes re-parks did not copy again, all engines
         self._reused_seen = 0  # the running engine's last total of them
-        self._expert_pairs = {"device": 0, "cpu": 0}  # pooled layers' routed pairs, by where they ran, all engines
-        self._expert_pairs_seen = (0, 0)  # the running engine's last EXPERTS totals
-        self._expert_pool = {"seconds": 0.0, "bytes": 0}  # the CPU pools' host seconds and expert bytes read, all engines
-        self._expert_pool_seen = (0.0, 0)
+        # pooled layers' routed pairs, by where they ran (device: resident weights; uploaded: --pcie-frac), all engines
+        self._expert_pairs = {"device": 0, "cpu": 0, "uploaded": 0}
+        self._expert_pairs_seen = (0, 0, 0)  # the running engine's last EXPERTS totals
+        self._expert_pool = {"seconds": 0.0, "bytes": 0, "upload_bytes": 0}  # the CPU pools' host seconds and expert bytes read, all engines
+        self._expert_pool_seen = (0.0, 0, 0)
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._token_events: deque[list] = deque()  # [monotonic time, tokens] for live_tok_s
@@ -434,22 +440,26 @@ class Metrics:
         """A parked conversation restored from `tier` (ram or disk) in `seconds` (the engine's RESTORED event)."""
         self._restore_seconds.labels(self.model_name, ENGINE_INDEX, tier).observe(seconds)
 
-    def expert_pairs(self, on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0) -> None:
+    def expert_pairs(self, on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0,
+                     uploaded: int = 0, upload_bytes: int = 0) -> None:
         """The engine's EXPERTS running totals (pairs of its pooled layers computed on the device / by the CPU
-        pool, the pools' host seconds and expert bytes read); a total below the last one means a new engine
-        process, which counts from 0."""
+        pool, the pools' host seconds and expert bytes read, pairs computed on uploaded weights and the bytes
+        uploaded); a total below the last one means a new engine process, which counts from 0."""
         with self._lock:
-            last_device, last_cpu = self._expert_pairs_seen
-            last_seconds, last_bytes = self._expert_pool_seen
-            if on_device < last_device or on_cpu < last_cpu or pool_seconds < last_seconds or pool_bytes < last_bytes:
-                last_device = last_cpu = last_bytes = 0
+            last_device, last_cpu, last_uploaded = self._expert_pairs_seen
+            last_seconds, last_bytes, last_up_bytes = self._expert_pool_seen
+            if (on_device < last_device or on_cpu < last_cpu or uploaded < last_uploaded or pool_seconds < last_seconds
+                    or pool_bytes < last_bytes or upload_bytes < last_up_bytes):
+                last_device = last_cpu = last_uploaded = last_bytes = last_up_bytes = 0
                 last_seconds = 0.0
             self._expert_pairs["device"] += on_device - last_device
             self._expert_pairs["cpu"] += on_cpu - last_cpu
+            self._expert_pairs["uploaded"] += uploaded - last_uploaded
             self._expert_pool["seconds"] += pool_seconds - last_seconds
             self._expert_pool["bytes"] += pool_bytes - last_bytes
-            self._expert_pairs_seen = (on_device, on_cpu)
-            self._expert_pool_seen = (pool_seconds, pool_bytes)
+            self._expert_pool["upload_bytes"] += upload_bytes - last_up_bytes
+            self._expert_pairs_seen = (on_device, on_cpu, uploaded)
+            self._expert_pool_seen = (pool_seconds, pool_bytes, upload_bytes)
 
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Increments (tokens looked up, tokens found) since the last call, not running totals."""

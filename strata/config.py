@@ -103,6 +103,11 @@ class EngineSettings(StrataSettings):
         "fixed", description="which routed experts stay on the device with --expert-budget-gb: fixed (the lowest ids: "
         "every run repeats exactly) or hot (the most routed ones, swapped in as traffic changes)"
     )
+    pcie_frac: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of the experts in host RAM (--expert-budget-gb) that the GPU computes "
+        "after uploading their weights when a window routes to them, so the PCIe link and the CPU pool work at once "
+        "(0: the CPU computes them all)"
+    )
     park_gb: float | None = Field(
         None, description="GB of host RAM for parked conversations (default 4, at most a quarter of the RAM; 0: off)"
     )
@@ -193,9 +198,13 @@ class EngineSettings(StrataSettings):
                 budget = [float(v) for v in self.expert_budget_gb.split(",")]
             except ValueError:
                 raise StrataError(f"--expert-budget-gb {self.expert_budget_gb!r}: expected numbers, e.g. 10,10,12") from None
+        if self.pcie_frac and budget is None:
+            raise StrataError(f"--pcie-frac {self.pcie_frac}: no expert is in host RAM to upload; it shares out the "
+                              "experts that --expert-budget-gb leaves off the GPU")
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
-                    expert_residency=self.expert_residency, dequantize_weights=self.dequantize_weights,
+                    expert_residency=self.expert_residency, pcie_frac=self.pcie_frac,
+                    dequantize_weights=self.dequantize_weights,
                     lookahead=self.lookahead, checkpoint_every=self.checkpoint_every, speculative=parse_spec(
                         self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
                         if self.spec_max_active is None else self.spec_max_active))

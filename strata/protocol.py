@@ -239,10 +239,12 @@ def restored(seconds: float, num_tokens: int, tier: str) -> str:
     return f"RESTORED {seconds:.6f} {num_tokens} {tier}"
 
 
-def experts(on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0) -> str:
-    """Running totals of the pooled layers' routed pairs (computed on the device / by the CPU pool), the pool's
-    host seconds and the bytes of expert weights it read."""
-    return f"EXPERTS {on_device} {on_cpu} {pool_seconds:.6f} {pool_bytes}"
+def experts(on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0, uploaded: int = 0,
+            upload_bytes: int = 0) -> str:
+    """Running totals of the pooled layers' routed pairs (computed on the device with resident weights / by the CPU
+    pool), the pool's host seconds, the bytes of expert weights it read, and the pairs the device computed on
+    uploaded weights (`--pcie-frac`) with the bytes uploaded."""
+    return f"EXPERTS {on_device} {on_cpu} {pool_seconds:.6f} {pool_bytes} {uploaded} {upload_bytes}"
 
 
 def spec_decode(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> str:

@@ -34,7 +34,7 @@ from bench.shapes import shape
 
 DATA = Path(__file__).parent / "data"
 SETTING_KEYS = {"device", "dtype", "max_cells", "batch", "layer_split", "split_device", "batch_groups",
-                "trim_stage_weights", "expert_budget_gb", "cpu_threads", "kernels", "cuda_graphs"}
+                "trim_stage_weights", "expert_budget_gb", "cpu_threads", "pcie_frac", "kernels", "cuda_graphs"}
 
 
 def machine(name: str) -> MachineFacts:
@@ -196,6 +196,34 @@ def test_four_16gb_cards_gen3_with_one_on_x8(next80b):
     assert s["cpu_threads"] == 14 and "16 cores" in why["cpu_threads"]
     assert any("every card is on PCIe Gen3" in n for n in p.notes)
     assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert s["pcie_frac"] == 0.0 and "not measured" in why["pcie_frac"]  # the recorded facts have no RAM bandwidth
+
+
+def test_pcie_frac_balances_the_slowest_link_against_the_cpu_pool(next80b):
+    """With the host's RAM read bandwidth measured: F = link / (link + pool), the pool reading at POOL_READ_SHARE of
+    it, over the slowest card's link (an x8 Gen3 card here: 7.9 GB/s); no share when nothing spills."""
+    from autoconfig.rules import POOL_READ_SHARE
+
+    facts = machine("4x16gb-gen3-x8")
+    facts.host.ram_read_gbps = 40.0
+    p = propose(Facts(machine=facts, model=next80b), Wishes(concurrency=8))
+    link = min(g.link_gbps for g in facts.gpus)
+    assert link < max(g.link_gbps for g in facts.gpus)
+    want = round(link / (link + 40.0 * POOL_READ_SHARE), 2)
+    assert p.settings["pcie_frac"] == want and 0 < want < 1
+    assert f"{link:.0f} GB/s" in p.reasons["pcie_frac"] and "40 GB/s measured" in p.reasons["pcie_frac"]
+    big = machine("1xh200")
+    big.host.ram_read_gbps = 40.0
+    fits = propose(Facts(machine=big, model=read_model("default")), Wishes(concurrency=8))
+    assert fits.settings["pcie_frac"] == 0.0 and fits.reasons["pcie_frac"] == "0: no expert is in host RAM"
+    cpu = propose(Facts(machine=machine("cpu-only"), model=next80b), Wishes(concurrency=1))
+    assert cpu.settings["pcie_frac"] == 0.0
+
+
+def test_ram_read_bandwidth_is_measured():
+    from autoconfig.facts import measure_ram_read_gbps
+
+    assert measure_ram_read_gbps(nbytes=64 * 2**20, repeats=2) > 0.1
 
 
 def test_a_degraded_link_is_named(next80b):

@@ -102,6 +102,47 @@ def test_batched_equals_solo_with_the_pool(model):
     assert torch.equal(together[0], alone[0])
 
 
+@pytest.mark.parametrize("frac", [0.5, 1.0])
+def test_pcie_frac_uploads_a_fixed_share_of_the_host_experts(model, frac):
+    """--pcie-frac: the device computes the pairs of the first round(F x N) host experts on uploaded weights, the
+    CPU the rest. The logits are the all-resident ones, the tokens too, batched == solo bit for bit (which experts go
+    up does not depend on the window), the EXPERTS line counts the uploads; F = 1 leaves the CPU nothing."""
+    up = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)], pcie_frac=frac)
+    for p in pools(up).values():
+        assert p.num_upload == round(frac * p.num_here) > 0
+        assert p.up_gate_up.shape[0] == p.num_upload and len(p.gate_up) == p.num_here - p.num_upload
+    prompt, answer = PROMPTS[2], model.solo[2]
+    assert rel_err(every_logit(up, prompt, answer), every_logit(model.full, prompt, answer)) < 1e-5
+    solo = [up.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
+    assert solo == model.solo
+    assert batched(up) == solo
+    alone = decode_logits(up.init_slots(1), {0: PROMPTS[4]})
+    together = decode_logits(up.init_slots(8), {slot: PROMPTS[(slot + 4) % 8] for slot in range(8)})
+    assert torch.equal(together[0], alone[0])
+    uploaded = sum(p.pairs_uploaded for p in pools(up).values())
+    on_cpu = sum(p.pairs_here for p in pools(up).values())
+    assert uploaded > 0 and (on_cpu > 0) == (frac < 1)
+    out: list[str] = []
+    sched = Scheduler(up, 2, out.append)
+    sched.handle(add("c0", 4, PROMPTS[1]))
+    while sched.busy:
+        sched.step()
+    sched.step()
+    fields = [line.split()[1:] for line in out if line.startswith("EXPERTS ")][-1]
+    assert int(fields[4]) == sum(p.pairs_uploaded for p in pools(up).values())
+    assert int(fields[5]) == sum(p.experts_uploaded * p.upload_expert_bytes for p in pools(up).values()) > 0
+
+
+def test_pcie_frac_is_checked(model):
+    with pytest.raises(StrataError, match="--pcie-frac 1.5: expected a share from 0 to 1"):
+        Engine(model.files, max_cells=64, expert_budget_gb=[half(model.spec)], pcie_frac=1.5)
+    with pytest.raises(StrataError, match="--pcie-frac 0.3: no expert is in host RAM"):
+        EngineSettings(pcie_frac=0.3).stage_options()
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        EngineSettings(pcie_frac=2)
+    assert EngineSettings(expert_budget_gb="1", pcie_frac=0.25).stage_options()["pcie_frac"] == 0.25
+
+
 def test_budget_zero_keeps_every_expert_in_host_ram(model):
     zero = Engine(model.files, max_cells=256, expert_budget_gb=[0])
     assert zero.expert_residency() == {"cpu": 0.0}
@@ -278,11 +319,13 @@ def triton_model(request, tmp_path_factory):
     return files, Engine(files, max_cells=128, kernels="torch")
 
 
-def test_triton_path_with_the_pool(triton_model):
+@pytest.mark.parametrize("pcie_frac", [0.0, 0.5])
+def test_triton_path_with_the_pool(triton_model, pcie_frac):
     files, reference = triton_model
     spec = files.spec
-    fast = Engine(files, max_cells=128, kernels="triton", expert_budget_gb=[half(spec)])
+    fast = Engine(files, max_cells=128, kernels="triton", expert_budget_gb=[half(spec)], pcie_frac=pcie_frac)
     assert pools(fast) and all(s.forward.fast.pools is s.forward.pools for s in fast.stages)
+    assert all(p.num_upload == round(pcie_frac * p.num_here) for p in pools(fast).values())
     ids = PROMPTS[2]
     want = reference.generate(ids, 6, stop_ids=frozenset()).ids
     assert fast.generate(ids, 6, stop_ids=frozenset()).ids == want
@@ -380,7 +423,7 @@ def test_hot_residency_moves_the_most_routed_experts_to_the_device(model):
         assert on_device == set(range(e // 2, e))  # the former host experts, all of them (the resident set's size)
         for g in range(e):
             gate_up, down = ((w["experts_gate_up"][slots[g]], w["experts_down"][slots[g]]) if g in on_device else
-                             (pool.gate_up[pool.index[g]], pool.down[pool.index[g]]))
+                             pool.slot_weights(int(pool.index[g])))
             assert torch.equal(gate_up, full[i]["experts_gate_up"][g]) and torch.equal(down, full[i]["experts_down"][g])
         assert pool.swaps == e // 2 and int(pool.counts.max()) < 100  # halved at each refresh
     assert swapped == len(layers) * (e // 2) and hot.refresh_experts() == 0

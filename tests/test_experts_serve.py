@@ -85,6 +85,6 @@ def test_a_served_engine_with_the_pool_reports_its_residency_and_answers(tiny_mo
         scrape = httpx.get(server.url + "/metrics", headers={"Accept": "text/plain"}, timeout=10).text
         samples = {s.labels["where"]: s.value for family in text_string_to_metric_families(scrape)
                    for s in family.samples if s.name == "strata:expert_pairs_total"}
-        assert samples == {"device": pairs["device"], "cpu": pairs["cpu"]}
+        assert samples == {"device": pairs["device"], "cpu": pairs["cpu"], "uploaded": 0}
     finally:
         server.stop()

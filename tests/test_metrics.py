@@ -384,15 +384,18 @@ def test_expert_pairs_counter_follows_the_engine_totals_across_restarts():
     from serve.metrics import Metrics
 
     m = Metrics("m", 128, 2)
-    for device, cpu, seconds, nbytes in [(10, 4, 0.5, 1000), (15, 6, 0.75, 1500), (3, 1, 0.25, 200)]:
-        m.expert_pairs(device, cpu, seconds, nbytes)  # the third comes from a restarted engine
-    assert m.facts()["expert_pairs"] == {"device": 18, "cpu": 7}
-    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700}
+    for device, cpu, seconds, nbytes, up, up_bytes in [(10, 4, 0.5, 1000, 2, 300), (15, 6, 0.75, 1500, 3, 450),
+                                                       (3, 1, 0.25, 200, 1, 100)]:
+        m.expert_pairs(device, cpu, seconds, nbytes, up, up_bytes)  # the third comes from a restarted engine
+    assert m.facts()["expert_pairs"] == {"device": 18, "cpu": 7, "uploaded": 4}
+    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700, "upload_bytes": 550}
     body, _ = m.render("text/plain", None)
     lines = [line for line in body.decode().splitlines() if line.startswith("strata:expert_pairs_total")]
     assert 'where="device"} 18.0' in lines[0] and 'where="cpu"} 7.0' in lines[1]
     text = body.decode()
     assert 'strata:expert_pool_seconds_total{engine="0",model_name="m"} 1.0' in text
     assert 'strata:expert_pool_read_bytes_total{engine="0",model_name="m"} 1700.0' in text
+    assert 'strata:expert_upload_bytes_total{engine="0",model_name="m"} 550.0' in text
+    assert 'where="uploaded"} 4.0' in lines[2]
     m.expert_pairs(20, 9)  # an older engine's EXPERTS line, without the pool's fields: they stay where they were
-    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700}
+    assert m.facts()["expert_pool"] == {"seconds": 1.0, "bytes": 1700, "upload_bytes": 550}

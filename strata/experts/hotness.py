@@ -46,8 +46,9 @@ def refresh_layer(weights: Tensors, pool: ExpertPool, max_swaps: int = 4, margin
             s, j = int(slots[r]), int(pool.index[h])
             # a copy (also where the device is the CPU); waits for the windows before it, which may read the slot
             leaving = gate_up[s].to("cpu", copy=True), down[s].to("cpu", copy=True)
-            gate_up[s].copy_(pool.gate_up[j])
-            down[s].copy_(pool.down[j])
+            hot_gate_up, hot_down = pool.slot_weights(j)
+            gate_up[s].copy_(hot_gate_up)
+            down[s].copy_(hot_down)
             pool.put(j, r, *leaving)
             slot_of[r] = m
             slot_of[h] = s

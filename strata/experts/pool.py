@@ -5,7 +5,13 @@ Per layer and window: `start` copies the window's rows and their routing to the 
 GPU: pinned buffers, non-blocking copies, an event) before the device kernels of the resident experts are
 queued; `finish` waits for that copy only (not for the device kernels, which run meanwhile), computes the
 pairs whose expert is here with torch on the CPU, and copies their sum back (pinned, non-blocking, queued
-on the stage's stream before the addition that reads it). The pool's weights are never copied to the device.
+on the stage's stream before the addition that reads it).
+
+Uploads (`--pcie-frac F`): the first round(F x N) of the pool's N experts (host slots 0..U-1) are not computed by
+the CPU: when a window routes rows to one, its weights go to the device over PCIe (pinned host memory, a copy
+stream of their own, queued before the CPU starts on its pairs) and the device computes its pairs, so the link
+and the CPU work at once. Which pairs go up depends only on the expert (its slot), never on the window, so a row's
+bits stay the same alone or beside others. F = 0 uploads nothing: the CPU-only pool, bit for bit.
 
 Quantized experts (the loader keeps a layer's experts packed when the Triton kernels read them packed): q4_k
 experts stay 4-bit in host RAM, as torch's CPU int4 products read them (`Int4Expert`: 4.3x fewer bytes than
@@ -83,27 +89,43 @@ def _pool_matrices(w, dtype: torch.dtype) -> list | torch.Tensor:
 class ExpertPool:
     """One MoE layer's experts kept in host RAM: `gate_up` [N, 2I, H], `down` [N, H, I] for global ids `ids` [N]."""
 
-    def __init__(self, offloaded: Tensors, num_experts: int, pack: bool | None = None):
+    def __init__(self, offloaded: Tensors, num_experts: int, pack: bool | None = None, upload: float = 0.0,
+                 pin: bool = False):
         """`pack`: keep the weights in oneDNN's blocked layout (`packable`; None: wherever it is), which the CPU's
-        bf16 matrix units stream at up to 1.6x the rate of the plain layout (bench/experts.py)."""
+        bf16 matrix units stream at up to 1.6x the rate of the plain layout (bench/experts.py). `upload`: the share
+        of the experts (host slots 0..U-1, U = round(upload x N)) whose pairs the device computes after uploading
+        their weights (`--pcie-frac`), kept plain in the rows' dtype, in pinned memory when `pin`."""
+        if not 0.0 <= upload <= 1.0:
+            raise ValueError(f"upload share {upload}: expected a number from 0 to 1")
         ids = offloaded["ids"].long()
         self.num_here = int(ids.numel())
+        self.num_upload = min(self.num_here, round(upload * self.num_here))
+        u = self.num_upload
         dtype = offloaded["gate_up"].dtype  # the rows' (a packed weight's: its tiles')
-        gate_up, down = (_pool_matrices(offloaded[n], dtype) for n in ("gate_up", "down"))
+        self.dtype = dtype
+        split = [_split(offloaded[n], u) for n in ("gate_up", "down")]
+        gate_up, down = (_pool_matrices(cpu, dtype) for _, cpu in split)
+        self.up_gate_up, self.up_down = (_upload_matrices(up, dtype, pin) for up, _ in split)
         self.int4 = isinstance(gate_up, list) or isinstance(down, list)  # q4_k experts read as they are
         size = lambda w: sum(m.nbytes for m in w) if isinstance(w, list) else w.numel() * w.element_size()  # noqa: E731
-        self.nbytes = size(gate_up) + size(down)
-        self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)  # global id -> here, N: not here
+        self.upload_expert_bytes = (size(self.up_gate_up) + size(self.up_down)) // max(1, u)
+        self.nbytes = size(gate_up) + size(down) + size(self.up_gate_up) + size(self.up_down)
+        # global id -> host slot: 0..U-1 uploaded, U..N-1 computed by the CPU (its lists' entry slot - U); N: not here
+        self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)
         self.index[ids] = torch.arange(self.num_here)
         self.packed = (packable(dtype) if pack is None else pack) and not self.int4
+        n_cpu = self.num_here - u
         if self.packed:  # the blocked copies replace the plain ones (no second copy of the pool in host RAM)
             reorder = torch.ops.mkldnn._reorder_linear_weight
-            self.gate_up = [reorder(gate_up[e], PACK_ROWS) for e in range(self.num_here)]
-            self.down = [reorder(down[e], PACK_ROWS) for e in range(self.num_here)]
+            self.gate_up = [reorder(gate_up[e], PACK_ROWS) for e in range(n_cpu)]
+            self.down = [reorder(down[e], PACK_ROWS) for e in range(n_cpu)]
         else:
             self.gate_up, self.down = gate_up, down
-        self.pairs_here = 0  # pairs computed by the pool so far
-        self.pairs_total = 0  # pairs routed in this layer so far (device + pool)
+        self.copy_stream = None  # the uploads' stream on the device (made by the first window that uploads)
+        self.pairs_uploaded = 0  # pairs the device computed on uploaded weights so far
+        self.experts_uploaded = 0  # experts whose weights went up, summed over windows (bytes: x `upload_expert_bytes`)
+        self.pairs_here = 0  # pairs computed by the CPU pool so far
+        self.pairs_total = 0  # pairs routed in this layer so far (device + uploaded + pool)
         self.experts_read = 0  # experts whose weights the pool read, summed over windows (bytes: x `expert_bytes`)
         self.busy_s = 0.0  # host seconds in `compute`
         self.wait_s = 0.0  # host seconds waiting for a window's rows to arrive from the device
@@ -112,17 +134,29 @@ class ExpertPool:
 
     def put(self, j: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Host slot `j` now holds global expert `expert` (whose id was not here), in place of the one it held."""
-        if self.packed or self.int4:
+        if j < self.num_upload:
+            self.up_gate_up[j].copy_(gate_up)
+            self.up_down[j].copy_(down)
+        elif self.packed or self.int4:
             raise ValueError("a packed pool's experts cannot be swapped (hot residency keeps the plain layout)")
-        self.gate_up[j].copy_(gate_up)
-        self.down[j].copy_(down)
+        else:
+            self.gate_up[j - self.num_upload].copy_(gate_up)
+            self.down[j - self.num_upload].copy_(down)
         left = int(torch.nonzero(self.index == j)[0])
         self.index[left] = self.num_here
         self.index[expert] = j
 
     @property
     def expert_bytes(self) -> int:
-        return self.nbytes // max(1, self.num_here)
+        """The bytes of one expert the CPU computes (as the pool holds it: packed, int4 or plain)."""
+        u = self.num_upload
+        return (self.nbytes - u * self.upload_expert_bytes) // max(1, self.num_here - u)
+
+    def slot_weights(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host slot `j`'s (gate_up, down) in the plain layout (for a swap with the device's resident set)."""
+        if j < self.num_upload:
+            return self.up_gate_up[j], self.up_down[j]
+        return self.gate_up[j - self.num_upload], self.down[j - self.num_upload]
 
     def start(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> "PoolJob":
         """Begin one window: x [R, H], weights and global expert ids [R, k] of every row (on the stage's device).
@@ -143,13 +177,14 @@ class ExpertPool:
         out = torch.zeros(r, x.shape[1], dtype=torch.float32)
         routed = ids.reshape(-1).long()
         self.counts += torch.bincount(routed, minlength=self.counts.numel()).double()
-        flat = self.index[routed]  # [R*k] index here, or num_here
-        pairs = torch.nonzero(flat < self.num_here).squeeze(1)  # [P'] pair ids (row * k + choice), ascending
+        flat = self.index[routed]  # [R*k] host slot, or num_here
+        # [P'] pair ids (row * k + choice), ascending, of the experts the CPU computes
+        pairs = torch.nonzero((flat >= self.num_upload) & (flat < self.num_here)).squeeze(1)
         self.pairs_total += r * k
         self.pairs_here += int(pairs.numel())
         if not pairs.numel():
             return out
-        here = flat[pairs]
+        here = flat[pairs] - self.num_upload
         order = torch.argsort(here, stable=True)
         pairs, here = pairs[order], here[order]
         experts, counts = torch.unique_consecutive(here, return_counts=True)
@@ -177,11 +212,60 @@ class ExpertPool:
                       "none", [], "")
 
 
+    def upload(self, x: torch.Tensor, weights: torch.Tensor, ids_host: torch.Tensor, rows) -> torch.Tensor | None:
+        """Queue on x's device the pairs of the uploaded experts (host slots 0..U-1): their weights copied up on the
+        pool's copy stream, then each expert's rows through `rows` on the current stream, weighted and summed in
+        ascending slot order. Returns that share [R, H] float32 on the device (None: no such pair in the window).
+        x, weights: the window's rows and routing weights on the device; ids_host: its expert ids on the host."""
+        if not self.num_upload:
+            return None
+        r, k = ids_host.shape
+        flat = self.index[ids_host.reshape(-1).long()]
+        pairs = torch.nonzero(flat < self.num_upload).squeeze(1)
+        if not pairs.numel():
+            return None
+        slots = flat[pairs]
+        order = torch.argsort(slots, stable=True)
+        pairs, slots = pairs[order], slots[order]
+        experts, counts = torch.unique_consecutive(slots, return_counts=True)
+        self.pairs_uploaded += int(pairs.numel())
+        self.experts_uploaded += int(experts.numel())
+        device = x.device
+        cuda = device.type == "cuda"
+        current = torch.cuda.current_stream(device) if cuda else None
+        if cuda and self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device=device)
+        up = []  # (gate_up, down) of each routed uploaded expert, on the device
+        if cuda:
+            with torch.cuda.stream(self.copy_stream):
+                for e in experts.tolist():
+                    up.append((self.up_gate_up[e].to(device, non_blocking=True),
+                               self.up_down[e].to(device, non_blocking=True)))
+            current.wait_stream(self.copy_stream)
+            for gu, dn in up:  # allocated on the copy stream, read on the current one
+                gu.record_stream(current)
+                dn.record_stream(current)
+        else:
+            up = [(self.up_gate_up[e], self.up_down[e]) for e in experts.tolist()]
+        pairs_dev = pairs.to(device, non_blocking=cuda)
+        route = weights.reshape(-1).float()
+        out = torch.zeros(r, x.shape[1], dtype=torch.float32, device=device)
+        start = 0
+        for (gu, dn), n in zip(up, counts.tolist()):
+            sel = pairs_dev[start : start + n]
+            start += n
+            row = sel // k
+            y = rows(swiglu, x[row], gu, dn).float() * route[sel, None]
+            out.index_add_(0, row, y)  # one call an expert, its rows distinct: a row sums in ascending slot order
+        return out
+
+
 class PoolJob:
     """One window's pairs on the pool: the host copies of its inputs, then (`finish`) the result on the device."""
 
     def __init__(self, pool: ExpertPool, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         self.pool, self.device, self.dtype = pool, x.device, x.dtype
+        self.x_dev, self.weights_dev = x, weights
         self.copied = None
         if x.device.type == "cuda":
             self.x, self.weights, self.ids = (_to_pinned(t) for t in (x, weights, ids))
@@ -196,12 +280,34 @@ class PoolJob:
             start = time.perf_counter()
             self.copied.synchronize()  # the host waits for its copy of the inputs, not for the device kernels
             self.pool.wait_s += time.perf_counter() - start
+        uploaded = self.pool.upload(self.x_dev, self.weights_dev, self.ids, rows)  # queued before the CPU starts
         out = self.pool.compute(self.x, self.weights, self.ids, rows)
+        if uploaded is not None:
+            return (uploaded + out.to(self.device, non_blocking=self.device.type == "cuda")).to(self.dtype)
         if self.device.type == "cpu":
             return out.to(self.dtype)
         # Converted on the host and uploaded from pinned memory; the caching host allocator keeps the buffer
         # until the copy queued on the stage's stream has run.
         return _to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
+
+
+def _split(w, u: int):
+    """A stack of N experts' matrices cut into the first u (uploaded) and the rest (the CPU's)."""
+    if not u:
+        return None, w
+    if isinstance(w, PackedWeight):
+        n = w.shape[0]
+        return w.index(torch.arange(u)), w.index(torch.arange(u, n))
+    return w[:u], w[u:]
+
+
+def _upload_matrices(w, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The uploaded experts' matrices: plain, in the rows' dtype (a packed weight written out), pinned when `pin`
+    so that their copies to the device run asynchronously at the link's rate."""
+    if w is None:
+        return torch.empty(0, dtype=dtype)
+    w = dequantize(w).to(dtype) if isinstance(w, PackedWeight) else w.to(dtype)
+    return w.pin_memory() if pin else w.contiguous()
 
 
 def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
@@ -211,6 +317,8 @@ def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
     return buf
 
 
-def stage_pools(offloaded: dict[int, Tensors], num_experts: int, pack: bool | None = None) -> dict[int, ExpertPool]:
-    """The pools of a stage's layers that keep some experts in host RAM (`StageWeights.offloaded`)."""
-    return {i: ExpertPool(t, num_experts, pack) for i, t in offloaded.items()}
+def stage_pools(offloaded: dict[int, Tensors], num_experts: int, pack: bool | None = None, upload: float = 0.0,
+                pin: bool = False) -> dict[int, ExpertPool]:
+    """The pools of a stage's layers that keep some experts in host RAM (`StageWeights.offloaded`); `upload`: the
+    share of each pool's experts the device computes after uploading them (`--pcie-frac`)."""
+    return {i: ExpertPool(t, num_experts, pack, upload, pin) for i, t in offloaded.items()}

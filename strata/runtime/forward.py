@@ -26,7 +26,8 @@ class Forward:
     """Runs a stage's layers over windows. Holds no per-sequence state: that lives in the window's segments."""
 
     def __init__(self, spec: ModelSpec, weights: StageWeights, device: torch.device, dtype: torch.dtype,
-                 kernels: str = "torch", cuda_graphs: bool = False, pack_pools: bool | None = None):
+                 kernels: str = "torch", cuda_graphs: bool = False, pack_pools: bool | None = None,
+                 upload: float = 0.0):
         """kernels: "torch" runs the reference ops everywhere; "triton" runs decode windows on the Triton kernels
         (`fast_decode`), replayed from CUDA graphs when `cuda_graphs`, and prompt windows' attention, MoE and GDN
         (conv + chunked delta rule) blocks on the Triton prefill kernels (the projections stay on torch's GEMMs,
@@ -40,8 +41,10 @@ class Forward:
         self.mtp: Tensors | None = None  # the multi-token-prediction layer (`set_mtp`), on the last stage
         self.hidden: torch.Tensor | None = None  # with `mtp`: the last window's final hidden states, every row
         self._hidden_parts: list[torch.Tensor] = []
-        # the CPU expert pools (`pack_pools`: their weights' layout, `ExpertPool`)
-        self.pools = stage_pools(weights.offloaded, spec.moe.num_experts, pack_pools) if weights.offloaded else {}
+        # the CPU expert pools (`pack_pools`: their weights' layout; `upload`: the share the device computes after
+        # uploading it, `--pcie-frac`; `ExpertPool`)
+        self.pools = stage_pools(weights.offloaded, spec.moe.num_experts, pack_pools, upload,
+                                 pin=torch.device(device).type == "cuda") if weights.offloaded else {}
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
         self.add_norm = None  # residual add + norm in one pass for prompt windows (None: the add, then self.norm)
@@ -74,7 +77,9 @@ class Forward:
             self.fast = fast_decode.TritonDecode(spec, weights, self.inv_freq, self.pools, self.rope_scale)
             if cuda_graphs and not self.pools:
                 self.fast = fast_decode.GraphedDecode(self.fast)
-            elif cuda_graphs and fast_decode.POOL_GRAPHS:  # with CPU pools: a graph a stretch between two of them
+            elif cuda_graphs and fast_decode.POOL_GRAPHS and not any(p.num_upload for p in self.pools.values()):
+                # with CPU pools: a graph a stretch between two of them. Not yet with uploads (--pcie-frac): their
+                # copies and products are queued between two stretches, which the graphs do not leave room for
                 self.fast = fast_decode.GraphedPooledDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

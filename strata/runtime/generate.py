@@ -49,15 +49,19 @@ class Engine:
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
                  park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
                  checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None,
-                 expert_residency: str = "fixed", dequantize_weights: bool = False):
+                 expert_residency: str = "fixed", pcie_frac: float = 0.0, dequantize_weights: bool = False):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
         `park_dir`, `park_disk_gb`: a folder where they are also written, and its budget (`strata.state.park_disk`;
         None: no disk tier), found again by a later engine.
         `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
         state before each prompt's last token is always kept); None turns checkpoints off.
+        `pcie_frac`: the share of each CPU pool's experts whose pairs the device computes after uploading their
+        weights (`strata.experts.pool`).
         `dequantize_weights`: a quantized checkpoint's weights written out in `dtype` at load even where the Triton
         kernels would read them packed (`strata.kernels.packed`; the torch kernels always dequantize)."""
+        if not 0.0 <= pcie_frac <= 1.0:
+            raise StrataError(f"--pcie-frac {pcie_frac}: expected a share from 0 to 1")
         if expert_residency not in MODES:
             raise StrataError(f"--expert-residency {expert_residency!r}: expected one of {', '.join(MODES)}")
         self.expert_residency_mode = expert_residency  # "hot": `refresh_experts` follows the traffic
@@ -118,7 +122,8 @@ class Engine:
                                split_packed=expert_residency != "hot")  # hot residency swaps plain experts
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             forward = Forward(self.spec, w, stage_device, dtype, kernels, graphs,
-                              pack_pools=False if expert_residency == "hot" else None)  # swapped experts: plain
+                              pack_pools=False if expert_residency == "hot" else None,  # swapped experts: plain
+                              upload=pcie_frac)
             stages.append(Stage(k, layers, stage_device, w, forward,
                                 ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{k}")))
         self.pipeline = Pipeline(stages)

@@ -210,13 +210,15 @@ class Scheduler:
             return
         total = sum(p.pairs_total for p in self._pools)
         on_cpu = sum(p.pairs_here for p in self._pools)
-        counts = (total - on_cpu, on_cpu)
+        uploaded = sum(p.pairs_uploaded for p in self._pools)
+        counts = (total - on_cpu - uploaded, on_cpu, uploaded)
         now = time.monotonic()
         if counts != self._expert_pairs and (now - self._experts_said >= 1.0 or not self.busy):
             self._expert_pairs, self._experts_said = counts, now
             seconds = sum(p.busy_s for p in self._pools)
             read = sum(p.experts_read * p.expert_bytes for p in self._pools)
-            self.emit(protocol.experts(*counts, seconds, read))
+            up_bytes = sum(p.experts_uploaded * p.upload_expert_bytes for p in self._pools)
+            self.emit(protocol.experts(counts[0], counts[1], seconds, read, counts[2], up_bytes))
 
     def _report_spec(self) -> None:
         """Say SPEC (running totals of drafts and accepted tokens) after a window whose slots drafted."""
