@@ -39,6 +39,10 @@ log = logging.getLogger("strata.engine")
 # greedy output was checked token for token against the eager path on the H200 (bench/experts.py --check, 25 and
 # 50 % resident); STRATA_POOL_GRAPHS=0 runs them eagerly.
 POOL_GRAPHS = os.environ.get("STRATA_POOL_GRAPHS", "1") != "0"
+# ... with uploads (`--pcie-frac`): the uploads queued between two stretches into a fixed buffer that the next
+# stretch adds. Off (eager windows) until its output is checked against the eager path on a GPU:
+# STRATA_POOL_GRAPHS_UPLOAD=1 turns it on.
+POOL_GRAPHS_UPLOAD = os.environ.get("STRATA_POOL_GRAPHS_UPLOAD", "0") == "1"
 
 
 class TritonDecode:
@@ -233,11 +237,18 @@ class GraphedPooledDecode:
         stream = torch.cuda.current_stream(tokens.device)
         for k, graph in enumerate(segments):
             if k:  # the pool of the layer the last segment ended at: its rows are on the host once the copy is done
-                layer, x_h, w_h, ids_h, share_h, cpu_rows, copied = io[k - 1]
+                layer, x_h, w_h, ids_h, share_h, cpu_rows, up_buf, x_d, w_d, copied = io[k - 1]
+                the_pool = self.decode.pools[layer]
                 start = time.perf_counter()
                 copied.synchronize()
-                self.decode.pools[layer].wait_s += time.perf_counter() - start
-                share_h.copy_(self.decode.pools[layer].compute(x_h, w_h, ids_h, cpu_rows))
+                the_pool.wait_s += time.perf_counter() - start
+                if up_buf is not None:  # the uploaded experts' share, queued before the CPU starts on its own
+                    uploaded = the_pool.upload(x_d, w_d, ids_h, cpu_rows)
+                    if uploaded is None:
+                        up_buf.zero_()
+                    else:
+                        up_buf.copy_(uploaded)
+                share_h.copy_(the_pool.compute(x_h, w_h, ids_h, cpu_rows))
             graph.replay()
             if k < len(io):
                 io[k][-1].record(stream)
@@ -262,11 +273,16 @@ class GraphedPooledDecode:
         r, hidden, k = tokens.shape[0], self.decode.spec.hidden_size, self.decode.spec.moe.top_k
         dtype = self.decode.weights.layers[next(iter(self.decode.pools))]["router"].dtype
         io = []  # per pooled layer: its host buffers (allocated before capture: pinned, fixed addresses)
-        for layer in self.decode.pools:
+        for layer, the_pool in self.decode.pools.items():
+            # the uploaded experts' share (float32, on the device), written between two stretches, and the device
+            # tensors of the layer's rows and routing weights the uploads read (kept: graph memory stays theirs)
+            up_buf = torch.zeros((r, hidden), dtype=torch.float32, device=device) if the_pool.num_upload else None
+            share_dtype = torch.float32 if up_buf is not None else dtype  # added to the uploads' before rounding
             io.append([layer, _pinned((r, hidden), dtype), _pinned((r, k), torch.float32),  # routing weights: float32
-                       _pinned((r, k), torch.int32), _pinned((r, hidden), dtype), None, torch.cuda.Event()])
+                       _pinned((r, k), torch.int32), _pinned((r, hidden), share_dtype), None, up_buf, None, None,
+                       torch.cuda.Event()])
         steps = self.decode.steps(pool, *bufs)
-        segments, out, share = [], None, None
+        segments, out, share, up_buf = [], None, None, None
         while out is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
@@ -274,17 +290,21 @@ class GraphedPooledDecode:
                     if share is None:
                         ask = next(steps)
                     else:  # the previous pool's share, uploaded from its pinned buffer, goes back into the window
-                        ask = steps.send(share.to(device, non_blocking=True))
+                        back = share.to(device, non_blocking=True)
+                        if up_buf is not None:  # with the uploaded experts' share, as `PoolJob.finish` adds them
+                            back = (up_buf + back).to(dtype)
+                        ask = steps.send(back)
                     _, layer, x, weights, ids = ask
                     slot = io[len(segments)]
                     assert slot[0] == layer, (slot[0], layer)
+                    slot[7], slot[8] = x, weights
                     slot[1].copy_(x, non_blocking=True)
                     if weights.dtype != slot[2].dtype or ids.dtype != slot[3].dtype:  # the pool must see what eager sees
                         raise RuntimeError(f"routing weights {weights.dtype} / ids {ids.dtype}: expected float32 / int32")
                     slot[2].copy_(weights, non_blocking=True)
                     slot[3].copy_(ids, non_blocking=True)
                     _, slot[5] = steps.send(None)  # the layer's resident experts, queued
-                    share = slot[4]
+                    share, up_buf = slot[4], slot[6]
                 except StopIteration as done:
                     out = done.value
             segments.append(graph)

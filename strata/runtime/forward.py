@@ -77,9 +77,10 @@ class Forward:
             self.fast = fast_decode.TritonDecode(spec, weights, self.inv_freq, self.pools, self.rope_scale)
             if cuda_graphs and not self.pools:
                 self.fast = fast_decode.GraphedDecode(self.fast)
-            elif cuda_graphs and fast_decode.POOL_GRAPHS and not any(p.num_upload for p in self.pools.values()):
-                # with CPU pools: a graph a stretch between two of them. Not yet with uploads (--pcie-frac): their
-                # copies and products are queued between two stretches, which the graphs do not leave room for
+            elif cuda_graphs and fast_decode.POOL_GRAPHS and (fast_decode.POOL_GRAPHS_UPLOAD or not any(
+                    p.num_upload for p in self.pools.values())):
+                # with CPU pools: a graph a stretch between two of them; with uploads (--pcie-frac) only where
+                # POOL_GRAPHS_UPLOAD is on (not yet checked on a GPU)
                 self.fast = fast_decode.GraphedPooledDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
