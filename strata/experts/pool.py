@@ -24,6 +24,7 @@ like its device share, does not depend on which other rows share the window.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -33,6 +34,7 @@ from strata.kernels.elementwise import silu_mul
 from strata.kernels.moe import swiglu
 from strata.quant.packed import PackedWeight, dequantize
 
+log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 PACK_ROWS = 8  # the rows oneDNN's blocked weights are laid out for (a decode block's, `in_row_blocks`)
 
@@ -307,7 +309,15 @@ def _upload_matrices(w, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     if w is None:
         return torch.empty(0, dtype=dtype)
     w = dequantize(w).to(dtype) if isinstance(w, PackedWeight) else w.to(dtype)
-    return w.pin_memory() if pin else w.contiguous()
+    if not pin:
+        return w.contiguous()
+    try:
+        return w.pin_memory()
+    except RuntimeError as e:  # e.g. a container's locked-memory limit
+        log.warning("could not pin %.2f GB of host RAM for the uploaded experts (%s): their copies to the GPU run "
+                    "synchronously, slower; raise the locked-memory limit (ulimit -l) or lower --pcie-frac",
+                    w.numel() * w.element_size() / 1e9, str(e).splitlines()[0])
+        return w.contiguous()
 
 
 def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
