@@ -5,9 +5,12 @@ every row's expert ids on the host, so counting costs no device work. Every `REF
 (`Engine.refresh_experts`) compares each layer's counts, halved at each refresh so recent traffic weighs more,
 and swaps up to `max_swaps` experts: the hottest expert in host RAM takes the device slot of the coldest resident
 one when it was routed at least `margin` times as often; the cold one's weights take the host slot the hot one
-left. A swap copies one expert each way between windows (queued on the stage's stream after the windows before
-it) and rewrites both maps in place (the device's `expert_slot`, the pool's `index`), so captured graphs stay
-valid.
+left. A swap copies one expert each way, queued on the stage's stream after the windows before it, and rewrites
+both maps in place (the device's `expert_slot`, the pool's `index`), so captured graphs stay valid. On a GPU nothing
+waits for the device: the leaving expert goes to pinned host buffers and the hot one comes up from a pinned copy,
+both asynchronously, and the pool takes the leaving weights into its slot once their copy has landed
+(`ExpertPool.put(..., ready=event)`), before it next reads that slot; the device slots are mirrored on the host
+(`ExpertPool.device_slots`), so a refresh reads nothing back from the device either.
 
 Arithmetic: a pair is computed by the device's kernels or by the CPU pool, which round differently, so after a
 swap a row's output can change in its last bits, and a greedy token can differ where two logits nearly tie.
@@ -35,7 +38,9 @@ def refresh_layer(weights: Tensors, pool: ExpertPool, max_swaps: int = 4, margin
     counts = pool.counts
     swaps = 0
     if m and pool.num_here:
-        slots = slot_of.cpu().long()
+        if pool.device_slots is None:  # the host's mirror of `expert_slot`, read once
+            pool.device_slots = slot_of.cpu().long()
+        slots = pool.device_slots
         resident = torch.nonzero(slots < m).squeeze(1)
         here = torch.nonzero(pool.index < pool.num_here).squeeze(1)
         hot = here[torch.argsort(counts[here], descending=True, stable=True)].tolist()
@@ -44,15 +49,33 @@ def refresh_layer(weights: Tensors, pool: ExpertPool, max_swaps: int = 4, margin
             if swaps >= max_swaps or counts[h] < margin * counts[r] or counts[h] == 0:
                 break
             s, j = int(slots[r]), int(pool.index[h])
-            # a copy (also where the device is the CPU); waits for the windows before it, which may read the slot
-            leaving = gate_up[s].to("cpu", copy=True), down[s].to("cpu", copy=True)
             hot_gate_up, hot_down = pool.slot_weights(j)
-            gate_up[s].copy_(hot_gate_up)
-            down[s].copy_(hot_down)
-            pool.put(j, r, *leaving)
+            if gate_up.device.type == "cuda":  # all queued on the stream, after the windows that read slot s
+                leaving = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (gate_up[s], down[s]))
+                leaving[0].copy_(gate_up[s], non_blocking=True)
+                leaving[1].copy_(down[s], non_blocking=True)
+                gate_up[s].copy_(_pinned_copy(hot_gate_up), non_blocking=True)
+                down[s].copy_(_pinned_copy(hot_down), non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(torch.cuda.current_stream(gate_up.device))
+                pool.put(j, r, *leaving, ready=landed)
+            else:
+                leaving = gate_up[s].clone(), down[s].clone()
+                gate_up[s].copy_(hot_gate_up)
+                down[s].copy_(hot_down)
+                pool.put(j, r, *leaving)
             slot_of[r] = m
             slot_of[h] = s
+            slots[r], slots[h] = m, s
             swaps += 1
     pool.counts *= DECAY
     pool.swaps += swaps
     return swaps
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of host tensor `t`, for an asynchronous upload that does not read `t` itself later (the
+    caching host allocator keeps it until the copy has run)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out

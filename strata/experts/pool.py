@@ -124,6 +124,8 @@ class ExpertPool:
         else:
             self.gate_up, self.down = gate_up, down
         self.copy_stream = None  # the uploads' stream on the device (made by the first window that uploads)
+        self._pending: dict[int, tuple] = {}  # host slot -> (event, gate_up, down): swapped in, copy still landing
+        self.device_slots: torch.Tensor | None = None  # hot residency's host mirror of the layer's `expert_slot`
         self.pairs_uploaded = 0  # pairs the device computed on uploaded weights so far
         self.experts_uploaded = 0  # experts whose weights went up, summed over windows (bytes: x `upload_expert_bytes`)
         self.pairs_here = 0  # pairs computed by the CPU pool so far
@@ -134,8 +136,27 @@ class ExpertPool:
         self.counts = torch.zeros(num_experts, dtype=torch.float64)  # routed pairs per global id (`hotness`)
         self.swaps = 0  # experts swapped with the device's resident set so far (`hotness.refresh_layer`)
 
-    def put(self, j: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Host slot `j` now holds global expert `expert` (whose id was not here), in place of the one it held."""
+    def put(self, j: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor, ready=None) -> None:
+        """Host slot `j` now holds global expert `expert` (whose id was not here), in place of the one it held.
+        `ready`: an event after which `gate_up` and `down` hold the weights (copies still running from the device):
+        the slot takes them before the pool next reads it."""
+        left = int(torch.nonzero(self.index == j)[0])
+        self.index[left] = self.num_here
+        self.index[expert] = j
+        if ready is not None:
+            self._pending[j] = (ready, gate_up, down)
+            return
+        self._pending.pop(j, None)
+        self._write_slot(j, gate_up, down)
+
+    def _settle(self) -> None:
+        """Slots whose weights were still being copied from the device: wait for those copies, take the weights."""
+        for j, (ready, gate_up, down) in list(self._pending.items()):
+            ready.synchronize()
+            self._write_slot(j, gate_up, down)
+            del self._pending[j]
+
+    def _write_slot(self, j: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if j < self.num_upload:
             self.up_gate_up[j].copy_(gate_up)
             self.up_down[j].copy_(down)
@@ -144,9 +165,6 @@ class ExpertPool:
         else:
             self.gate_up[j - self.num_upload].copy_(gate_up)
             self.down[j - self.num_upload].copy_(down)
-        left = int(torch.nonzero(self.index == j)[0])
-        self.index[left] = self.num_here
-        self.index[expert] = j
 
     @property
     def expert_bytes(self) -> int:
@@ -156,6 +174,7 @@ class ExpertPool:
 
     def slot_weights(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host slot `j`'s (gate_up, down) in the plain layout (for a swap with the device's resident set)."""
+        self._settle()
         if j < self.num_upload:
             return self.up_gate_up[j], self.up_down[j]
         return self.gate_up[j - self.num_upload], self.down[j - self.num_upload]
@@ -169,6 +188,7 @@ class ExpertPool:
         """On the host: the weighted sum of each row's pairs whose expert is here, [R, H] float32; zeros for a row
         with none."""
         start_s = time.perf_counter()
+        self._settle()
         try:
             return self._compute(x, weights, ids, rows)
         finally:
@@ -221,6 +241,7 @@ class ExpertPool:
         x, weights: the window's rows and routing weights on the device; ids_host: its expert ids on the host."""
         if not self.num_upload:
             return None
+        self._settle()
         r, k = ids_host.shape
         flat = self.index[ids_host.reshape(-1).long()]
         pairs = torch.nonzero(flat < self.num_upload).squeeze(1)
