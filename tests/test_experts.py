@@ -231,7 +231,9 @@ def test_experts_events_report_where_the_pooled_pairs_ran(model):
     total = sum(p.pairs_total for p in pools(pooled).values())
     on_cpu = sum(p.pairs_here for p in pools(pooled).values())
     assert said and said[-1] == (total - on_cpu, on_cpu)
-    seconds, read = out[max(i for i, line in enumerate(out) if line.startswith("EXPERTS "))].split()[3:]
+    seconds, read, uploaded, upload_bytes = out[max(i for i, line in enumerate(out)
+                                                    if line.startswith("EXPERTS "))].split()[3:]
+    assert (uploaded, upload_bytes) == ("0", "0")  # no --pcie-frac
     busy = sum(p.busy_s for p in pools(pooled).values())
     assert busy > 0 and float(seconds) == pytest.approx(busy, abs=1e-5)
     assert int(read) == sum(p.experts_read * p.expert_bytes for p in pools(pooled).values()) > 0
