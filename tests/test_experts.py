@@ -359,6 +359,43 @@ def test_calibration_builds_an_engine_with_the_pool(model, tmp_path):
     assert engine.expert_residency() == {"cpu": 0.5}
 
 
+@pytest.mark.parametrize("upload", [0.0, 0.5])
+def test_a_swapped_out_expert_lands_in_the_pool_before_it_is_read(upload):
+    """Hot residency on a GPU hands the pool a swapped-out expert whose copy from the device is still running
+    (`put(..., ready=event)`): the maps change at once, the weights are taken into the slot once the event says the
+    copy landed, and before any read of the pool (its products, its uploads, a later swap)."""
+    from strata.experts.pool import ExpertPool
+    from strata.kernels.invariant import plain
+
+    class Copy:  # stands for the CUDA event recorded after the copy
+        def __init__(self):
+            self.waited = 0
+
+        def synchronize(self):
+            self.waited += 1
+
+    torch.manual_seed(0)
+    e, h, i = 8, 16, 12
+    gate_up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    pool = ExpertPool({"gate_up": gate_up[:4].clone(), "down": down[:4].clone(), "ids": torch.arange(4)}, e,
+                      pack=False, upload=upload)
+    j = int(pool.index[1])
+    landed = Copy()
+    pool.put(j, 6, gate_up[6].clone(), down[6].clone(), ready=landed)  # expert 6 leaves the device for slot j
+    assert int(pool.index[6]) == j and int(pool.index[1]) == pool.num_here and landed.waited == 0
+    x, weights = torch.randn(2, h), torch.ones(2, 1)
+    got = pool.compute(x, weights, torch.tensor([[6], [0]]), plain)
+    if upload:
+        uploaded = pool.upload(x, weights, torch.tensor([[6], [0]]), plain)
+        got = got if uploaded is None else got + uploaded
+    assert landed.waited == 1
+    from strata.kernels.moe import swiglu
+
+    assert torch.allclose(got[0], swiglu(x[:1], gate_up[6], down[6])[0], atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(pool.slot_weights(j), (gate_up[6], down[6])))
+    assert landed.waited == 1  # settled once
+
+
 @pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, False)] + (
     [(torch.bfloat16, True)] if __import__("strata.experts.pool", fromlist=["packable"]).packable(torch.bfloat16)
     else []))  # oneDNN's blocked bf16 weights where the CPU has AVX-512 or AMX (not on the 2-core CI machine)
