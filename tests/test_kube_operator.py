@@ -24,7 +24,8 @@ import yaml
 
 from autoconfig.node import node_patch
 from tests.deploy_tools import CHART, run, tool
-from tests.kube_cluster import ControlPlane, free_port, wait_for
+from tests.kube_cluster import ControlPlane, free_port
+from tests.kube_cluster import wait_for as _wait_for
 from tests.test_operator import (
     QWEN3_NEXT,
     V100,
@@ -140,6 +141,7 @@ class Operator:
         self.liveness = f"http://127.0.0.1:{self.port}/healthz"
 
     def start(self) -> None:
+        _running[:] = [self]
         out = open(self.log, "ab")  # noqa: SIM115 - the process holds it
         self.process = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         wait_for("the operator's liveness endpoint", lambda: self._alive() or self._exited(), timeout=60)
@@ -163,6 +165,18 @@ class Operator:
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+_running: list[Operator] = []  # the operator process now running, whose log a failed wait shows
+
+
+def wait_for(what: str, check, timeout: float = 20.0, every: float = 0.1):
+    """`kube_cluster.wait_for`, and on a timeout the running operator's last log lines."""
+    try:
+        return _wait_for(what, check, timeout, every)
+    except pytest.fail.Exception as e:
+        tail = _running[-1].log_tail(40) if _running else "(no operator running)"
+        pytest.fail(f"{e}\n--- the operator's log ---\n{tail}", pytrace=False)
 
 
 def _get(url: str) -> dict | None:
@@ -206,7 +220,6 @@ def operator(kube: ControlPlane, installed: Cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("operator")
     token = kube.service_account_token(NAMESPACE, "strata-operator")
     kubeconfig = kube.kubeconfig_for(token, folder / "kubeconfig", "strata-operator")
-    deployment = installed.apps.read_namespaced_deployment("strata-operator", NAMESPACE).to_dict()
     deployment = json.loads(installed.apps.read_namespaced_deployment("strata-operator", NAMESPACE,
                                                                      _preload_content=False).data)
     op = Operator(kube, kubeconfig, deployment, folder / "kopf.log")
