@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.experts.pool import ExpertPool
+from strata.experts.pool import ExpertPool, to_pinned
 
 Tensors = dict[str, torch.Tensor]
 MODES = ("fixed", "hot")
@@ -51,11 +51,10 @@ def refresh_layer(weights: Tensors, pool: ExpertPool, max_swaps: int = 4, margin
             s, j = int(slots[r]), int(pool.index[h])
             hot_gate_up, hot_down = pool.slot_weights(j)
             if gate_up.device.type == "cuda":  # all queued on the stream, after the windows that read slot s
-                leaving = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (gate_up[s], down[s]))
-                leaving[0].copy_(gate_up[s], non_blocking=True)
-                leaving[1].copy_(down[s], non_blocking=True)
-                gate_up[s].copy_(_pinned_copy(hot_gate_up), non_blocking=True)
-                down[s].copy_(_pinned_copy(hot_down), non_blocking=True)
+                leaving = to_pinned(gate_up[s]), to_pinned(down[s])
+                # from pinned copies: the host slot may take the leaving weights before these uploads have run
+                gate_up[s].copy_(to_pinned(hot_gate_up, copy_on_host=True), non_blocking=True)
+                down[s].copy_(to_pinned(hot_down, copy_on_host=True), non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(torch.cuda.current_stream(gate_up.device))
                 pool.put(j, r, *leaving, ready=landed)
@@ -72,10 +71,3 @@ def refresh_layer(weights: Tensors, pool: ExpertPool, max_swaps: int = 4, margin
     pool.swaps += swaps
     return swaps
 
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of host tensor `t`, for an asynchronous upload that does not read `t` itself later (the
-    caching host allocator keeps it until the copy has run)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t)
-    return out

@@ -104,7 +104,6 @@ class ExpertPool:
         self.num_upload = min(self.num_here, round(upload * self.num_here))
         u = self.num_upload
         dtype = offloaded["gate_up"].dtype  # the rows' (a packed weight's: its tiles')
-        self.dtype = dtype
         split = [_split(offloaded[n], u) for n in ("gate_up", "down")]
         gate_up, down = (_pool_matrices(cpu, dtype) for _, cpu in split)
         self.up_gate_up, self.up_down = (_upload_matrices(up, dtype, pin) for up, _ in split)
@@ -206,10 +205,7 @@ class ExpertPool:
         self.pairs_here += int(pairs.numel())
         if not pairs.numel():
             return out
-        here = flat[pairs] - self.num_upload
-        order = torch.argsort(here, stable=True)
-        pairs, here = pairs[order], here[order]
-        experts, counts = torch.unique_consecutive(here, return_counts=True)
+        pairs, experts, counts = _by_slot(pairs, flat[pairs] - self.num_upload)
         self.experts_read += int(experts.numel())
         route = weights.reshape(-1).float()
         start = 0
@@ -247,10 +243,7 @@ class ExpertPool:
         pairs = torch.nonzero(flat < self.num_upload).squeeze(1)
         if not pairs.numel():
             return None
-        slots = flat[pairs]
-        order = torch.argsort(slots, stable=True)
-        pairs, slots = pairs[order], slots[order]
-        experts, counts = torch.unique_consecutive(slots, return_counts=True)
+        pairs, experts, counts = _by_slot(pairs, flat[pairs])
         self.pairs_uploaded += int(pairs.numel())
         self.experts_uploaded += int(experts.numel())
         device = x.device
@@ -291,7 +284,7 @@ class PoolJob:
         self.x_dev, self.weights_dev = x, weights
         self.copied = None
         if x.device.type == "cuda":
-            self.x, self.weights, self.ids = (_to_pinned(t) for t in (x, weights, ids))
+            self.x, self.weights, self.ids = (to_pinned(t) for t in (x, weights, ids))
             self.copied = torch.cuda.Event()
             self.copied.record(torch.cuda.current_stream(x.device))
         else:
@@ -311,7 +304,15 @@ class PoolJob:
             return out.to(self.dtype)
         # Converted on the host and uploaded from pinned memory; the caching host allocator keeps the buffer
         # until the copy queued on the stage's stream has run.
-        return _to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
+        return to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
+
+
+def _by_slot(pairs: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair ids and their slots -> the pair ids ordered by slot (ascending pair id within one), the distinct slots
+    in ascending order, and each one's count of pairs."""
+    order = torch.argsort(slots, stable=True)
+    experts, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    return pairs[order], experts, counts
 
 
 def _split(w, u: int):
@@ -341,7 +342,7 @@ def _upload_matrices(w, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return w.contiguous()
 
 
-def _to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
+def to_pinned(t: torch.Tensor, copy_on_host: bool = False) -> torch.Tensor:
     """A pinned host copy of `t` (queued, not waited for, when `t` is on a GPU)."""
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     buf.copy_(t, non_blocking=not copy_on_host)
