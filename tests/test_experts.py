@@ -61,6 +61,17 @@ def batched(engine: Engine, n: int = 8) -> list[list[int]]:
     return [tokens(out, f"c{i}") for i in range(n)]
 
 
+def assert_solo_batched_and_bitwise(engine: Engine, want: list[list[int]]) -> None:
+    """Greedy tokens alone equal `want`, 8 conversations decoded together equal them, and a row's decode logits
+    are bit for bit the same alone and beside 7 others."""
+    solo = [engine.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
+    assert solo == want
+    assert batched(engine) == solo
+    alone = decode_logits(engine.init_slots(1), {0: PROMPTS[4]})
+    together = decode_logits(engine.init_slots(8), {slot: PROMPTS[(slot + 4) % 8] for slot in range(8)})
+    assert torch.equal(together[0], alone[0])
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -93,13 +104,8 @@ def test_half_resident_greedy_tokens_equal_all_resident(model):
 def test_batched_equals_solo_with_the_pool(model):
     """8 slots decoded together, each row's CPU pairs computed beside 7 others: the solo tokens, and the solo logits
     bit for bit."""
-    pooled = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)])
-    solo = [pooled.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
-    assert solo == model.solo
-    assert batched(pooled) == solo
-    alone = decode_logits(pooled.init_slots(1), {0: PROMPTS[4]})
-    together = decode_logits(pooled.init_slots(8), {slot: PROMPTS[(slot + 4) % 8] for slot in range(8)})
-    assert torch.equal(together[0], alone[0])
+    assert_solo_batched_and_bitwise(Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)]),
+                                    model.solo)
 
 
 @pytest.mark.parametrize("frac", [0.5, 1.0])
@@ -113,12 +119,7 @@ def test_pcie_frac_uploads_a_fixed_share_of_the_host_experts(model, frac):
         assert p.up_gate_up.shape[0] == p.num_upload and len(p.gate_up) == p.num_here - p.num_upload
     prompt, answer = PROMPTS[2], model.solo[2]
     assert rel_err(every_logit(up, prompt, answer), every_logit(model.full, prompt, answer)) < 1e-5
-    solo = [up.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS]
-    assert solo == model.solo
-    assert batched(up) == solo
-    alone = decode_logits(up.init_slots(1), {0: PROMPTS[4]})
-    together = decode_logits(up.init_slots(8), {slot: PROMPTS[(slot + 4) % 8] for slot in range(8)})
-    assert torch.equal(together[0], alone[0])
+    assert_solo_batched_and_bitwise(up, model.solo)
     uploaded = sum(p.pairs_uploaded for p in pools(up).values())
     on_cpu = sum(p.pairs_here for p in pools(up).values())
     assert uploaded > 0 and (on_cpu > 0) == (frac < 1)
