@@ -397,9 +397,10 @@ def test_a_swapped_out_expert_lands_in_the_pool_before_it_is_read(upload):
     assert landed.waited == 1  # settled once
 
 
-@pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, False)] + (
-    [(torch.bfloat16, True)] if __import__("strata.experts.pool", fromlist=["packable"]).packable(torch.bfloat16)
-    else []))  # oneDNN's blocked bf16 weights where the CPU has AVX-512 or AMX (not on the 2-core CI machine)
+@pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, False)] + [
+    (dtype, True) for dtype in (torch.float32, torch.bfloat16)
+    if __import__("strata.experts.pool", fromlist=["packable"]).packable(dtype)
+])  # oneDNN's blocked weights: float32 wherever torch has oneDNN, bf16 where the CPU has AVX-512 or AMX
 def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
     """The pool's share of each row, in either weight layout: the float32 sum of its pairs (against a float64
     reference), and bitwise the same whether the row is computed alone or among other rows in a decode window."""

@@ -25,25 +25,25 @@ like its device share, does not depend on which other rows share the window.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import onednn
 from strata.kernels.elementwise import silu_mul
 from strata.kernels.moe import swiglu
 from strata.quant.packed import PackedWeight, dequantize
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
-PACK_ROWS = 8  # the rows oneDNN's blocked weights are laid out for (a decode block's, `in_row_blocks`)
 
 
 def packable(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs oneDNN's bf16 products on pre-blocked weights (AVX-512 or AMX: torch's own check)."""
-    mkldnn = torch.ops.mkldnn
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise") and bool(mkldnn._is_mkldnn_bf16_supported()))
+    """Whether this CPU runs oneDNN's products on pre-blocked weights of `dtype` (`strata.kernels.onednn`)."""
+    return onednn.available(dtype)
 
 
 INT4_GROUP = 32  # q4_k's scale group: one (scale, zero) pair a group in torch's int4 layout
@@ -93,8 +93,9 @@ class ExpertPool:
 
     def __init__(self, offloaded: Tensors, num_experts: int, pack: bool | None = None, upload: float = 0.0,
                  pin: bool = False):
-        """`pack`: keep the weights in oneDNN's blocked layout (`packable`; None: wherever it is), which the CPU's
-        bf16 matrix units stream at up to 1.6x the rate of the plain layout (bench/experts.py). `upload`: the share
+        """`pack`: keep the weights in oneDNN's blocked layout (`packable`; None: wherever it is), which the CPU
+        streams at up to 1.6x the plain layout's rate in bf16 (bench/experts.py), 2.5-4x in float32 on AMD (MKL's slow
+        path there: `strata.kernels.onednn`). `upload`: the share
         of the experts (host slots 0..U-1, U = round(upload x N)) whose pairs the device computes after uploading
         their weights (`--pcie-frac`), kept plain in the rows' dtype, in pinned memory when `pin`."""
         if not 0.0 <= upload <= 1.0:
@@ -117,9 +118,8 @@ class ExpertPool:
         self.packed = (packable(dtype) if pack is None else pack) and not self.int4
         n_cpu = self.num_here - u
         if self.packed:  # the blocked copies replace the plain ones (no second copy of the pool in host RAM)
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            self.gate_up = [reorder(gate_up[e], PACK_ROWS) for e in range(n_cpu)]
-            self.down = [reorder(down[e], PACK_ROWS) for e in range(n_cpu)]
+            self.gate_up = [onednn.block(gate_up[e]) for e in range(n_cpu)]
+            self.down = [onednn.block(down[e]) for e in range(n_cpu)]
         else:
             self.gate_up, self.down = gate_up, down
         self.copy_stream = None  # the uploads' stream on the device (made by the first window that uploads)
@@ -208,15 +208,16 @@ class ExpertPool:
         pairs, experts, counts = _by_slot(pairs, flat[pairs] - self.num_upload)
         self.experts_read += int(experts.numel())
         route = weights.reshape(-1).float()
-        start = 0
-        for e, n in zip(experts.tolist(), counts.tolist()):
-            sel = pairs[start : start + n]
-            start += n
+        picked = list(zip(experts.tolist(), pairs.split(counts.tolist())))
+        run = lambda job: rows(self._expert, x[job[1] // k], job[0])  # noqa: E731
+        workers = expert_workers()
+        ys = list(workers.map(run, picked)) if workers is not None and len(picked) > 1 else map(run, picked)
+        for (_, sel), y in zip(picked, ys):
+            # an expert's rows are distinct, so its products are added with a gather and a scatter, in ascending
+            # expert id (a row's sum runs in that order). Not `index_add_`: on the CPU its scatter-add took 250 us
+            # for one row of 2,048 on the H200 host's 16 threads, longer than the expert's products.
             row = sel // k
-            y = rows(self._expert, x[row], e).float() * route[sel, None]
-            # one call an expert (its rows are distinct): a row's sum runs in ascending expert id. One call for
-            # all the pairs would repeat rows, and torch may add a repeated index's rows on several threads at once
-            out.index_add_(0, row, y)
+            out[row] = out[row] + y.float() * route[sel, None]
         return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
@@ -225,9 +226,7 @@ class ExpertPool:
             return product(self.down[e], silu_mul(product(self.gate_up[e], x)))
         if not self.packed:
             return swiglu(x, self.gate_up[e], self.down[e])
-        linear = torch.ops.mkldnn._linear_pointwise
-        return linear(silu_mul(linear(x.contiguous(), self.gate_up[e], None, "none", [], "")), self.down[e], None,
-                      "none", [], "")
+        return onednn.linear(silu_mul(onednn.linear(x, self.gate_up[e])), self.down[e])
 
 
     def upload(self, x: torch.Tensor, weights: torch.Tensor, ids_host: torch.Tensor, rows) -> torch.Tensor | None:
@@ -305,6 +304,35 @@ class PoolJob:
         # Converted on the host and uploaded from pinned memory; the caching host allocator keeps the buffer
         # until the copy queued on the stage's stream has run.
         return to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
+
+
+POOL_WORKERS = int(os.environ.get("STRATA_POOL_WORKERS", "1"))  # experts computed at once (see `expert_workers`)
+_workers: list = []
+
+
+def expert_workers() -> ThreadPoolExecutor | None:
+    """With STRATA_POOL_WORKERS=W > 1: W threads, each computing whole experts with torch.get_num_threads() // W
+    intra-op threads of its own, so a window's experts run side by side instead of each product forking all the
+    threads (a one-row product over one expert is too short for 16 threads to pay off). A worker's thread count is
+    fixed, so an expert's bits do not depend on the window. None: one expert after another (the default until
+    measured on a many-core host)."""
+    if POOL_WORKERS <= 1:
+        return None
+    if not _workers:
+        each = max(1, torch.get_num_threads() // POOL_WORKERS)
+        _workers.append(ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="strata-pool",
+                                           initializer=torch.set_num_threads, initargs=(each,)))
+    return _workers[0]
+
+
+def set_expert_workers(workers: int) -> None:
+    """Compute up to `workers` experts at once from now on (`expert_workers`; 1: one after another)."""
+    global POOL_WORKERS
+    if workers < 1:
+        raise ValueError(f"expert workers {workers}: expected at least 1")
+    POOL_WORKERS = workers
+    while _workers:
+        _workers.pop().shutdown()
 
 
 def _by_slot(pairs: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ alone or batched. (Seen on an H200: an RMSNorm row differed by one bfloat16 ulp 
 
 The block is the largest that costs about what one row costs, and that depends on the CPU and its BLAS, so on
 the CPU it is measured once per process and dtype (`row_block`): a product over a weight larger than the caches
-is timed at 1, 2, 3, 4 and 8 rows, and the block is the largest whose time is within 1.3x of one row's. Measured
+is timed at 1, 2, 3, 4 and 8 rows (oneDNN's product over a blocked weight where the CPU stage runs those:
+`strata.kernels.onednn`), and the block is the largest whose time is within 1.3x of one row's. Measured with MKL
 on SmolLM2-135M's projections, float32: an Intel Xeon with AMX (MKL) takes 20, 23, 25, 38 and 49 ms (block 3);
 an AMD EPYC (MKL's AVX-512 path) 57, 83, 112, 71 and 89 ms (block 1: a product of 3 rows there costs twice one
 row); bfloat16 on either costs about the same from 1 to 8 rows (block 8). `STRATA_ROW_BLOCK=n` sets it instead
@@ -35,19 +36,24 @@ log = logging.getLogger("strata.engine")
 def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int = 5) -> tuple[int, dict[int, float]]:
     """(the block, {rows: seconds}): F.linear over a [N, 1024] weight of about `nbytes`, each row count timed
     `repeats` times over a fresh pass (best kept), the weights walked in four parts so no part stays cached."""
+    from strata.kernels import onednn
+
     k = 1024
     n = max(256, nbytes // (k * torch.finfo(dtype).bits // 8) // 4)
     parts = [torch.randn(n, k, dtype=dtype) * 0.01 for _ in range(4)]
+    product = F.linear
+    if onednn.available(dtype):  # the products a CPU stage runs (`strata.kernels.onednn`)
+        parts, product = [onednn.block(w) for w in parts], onednn.linear
     times = {}
     for rows in CANDIDATES:
         x = torch.randn(rows, k, dtype=dtype)
         for w in parts:  # warm the code path
-            F.linear(x, w)
+            product(x, w)
         best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
             for w in parts:
-                F.linear(x, w)
+                product(x, w)
             best = min(best, time.perf_counter() - t)
         times[rows] = best
     block = max(r for r in CANDIDATES if times[r] <= WITHIN * times[1])

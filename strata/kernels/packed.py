@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels import onednn
 from strata.quant.packed import PackedWeight, iq3s_grid
 
 
@@ -149,7 +150,10 @@ def grid_words(w: PackedWeight | torch.Tensor) -> torch.Tensor:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a weight that may be packed (written out in x's dtype first): the prompt windows' products."""
+    """F.linear over a weight that may be packed (written out in x's dtype first: the prompt windows' products) or
+    in oneDNN's blocked layout (a CPU stage's, `strata.kernels.onednn`)."""
+    if isinstance(weight, torch.Tensor) and weight.is_mkldnn:
+        return onednn.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         weight = dequantize_triton(weight, x.dtype)
     return F.linear(x, weight, bias)

@@ -62,8 +62,9 @@ class StageWeights:
         tensors = [t for layers in (self.layers, self.held) for layer in layers.values() for t in layer.values()]
         tensors += [t for t in (self.embed, self.final_norm, self.lm_head) if t is not None] + list(self.mtp.values())
         for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            key = id(t) if getattr(t, "is_mkldnn", False) else t.data_ptr()  # a oneDNN-blocked matrix has no data pointer to share
+            if key not in seen:
+                seen.add(key)
                 total += _nbytes(t)
         return total
 

@@ -11,6 +11,7 @@ from strata.kernels.attention import attention
 from strata.kernels.deferred import PairSum
 from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
+from strata.kernels import onednn
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, moe, swiglu
 from strata.kernels.packed import project
@@ -131,7 +132,12 @@ class Forward:
         the LM head (all of them without one)."""
         self.mtp = dict(weights)
         vocab = self.mtp.get("draft_vocab")
-        self.mtp["head"] = self.weights.lm_head if vocab is None else self.weights.lm_head[vocab.to(self.device)].contiguous()
+        head = self.weights.lm_head
+        if vocab is not None:
+            head = onednn.dense(head)[vocab.to(self.device)].contiguous()
+        self.mtp["head"] = head
+        if onednn.is_blocked(self.weights.lm_head):  # a CPU stage on oneDNN's products: the MTP layer's too
+            onednn.block_matrices(self.mtp, onednn.MTP_MATRICES, self.dtype)
 
     def run_mtp(self, hidden: torch.Tensor, tokens: torch.Tensor, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over rows (hidden state h_t, the token x_t+1) at positions t, one segment per sequence (its
@@ -141,7 +147,7 @@ class Forward:
         w, eps = self.mtp, self.spec.rms_eps
         e = rms_norm(F.embedding(tokens, self.weights.embed), w["pre_embed_norm"], eps)
         g = rms_norm(hidden, w["pre_hidden_norm"], eps)
-        x = F.linear(torch.cat([e, g], dim=-1), w["fc"])
+        x = project(torch.cat([e, g], dim=-1), w["fc"])
         positions = window.positions.to(self.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
         turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
@@ -161,7 +167,7 @@ class Forward:
                                   shared, w.get("shared_gate"), plain))
         out = rms_norm(x, w["final_norm"], eps)
         rows = window.logit_rows.to(self.device)
-        picks = F.linear(out[rows], w["head"]).argmax(dim=-1)
+        picks = project(out[rows], w["head"]).argmax(dim=-1)
         vocab = w.get("draft_vocab")
         return out, picks if vocab is None else vocab.to(self.device)[picks]
 

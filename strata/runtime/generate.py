@@ -16,6 +16,7 @@ from strata.errors import PromptTooLong, StrataError
 from strata.experts.budget import check_expert_budget, set_pool_threads
 from strata.experts.hotness import MODES, refresh_layer
 from strata.experts.residency import place_experts, residency_by_device
+from strata.kernels.onednn import block_stage
 from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
 from strata.model.weights import StageWeights
@@ -120,6 +121,8 @@ class Engine:
                 w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident,
                                packed=kernels == "triton" and not dequantize_weights,
                                split_packed=expert_residency != "hot")  # hot residency swaps plain experts
+                if kernels == "torch" and stage_device.type == "cpu":  # oneDNN's products (`strata.kernels.onednn`)
+                    block_stage(w, dtype)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
             forward = Forward(self.spec, w, stage_device, dtype, kernels, graphs,
                               pack_pools=False if expert_residency == "hot" else None,  # swapped experts: plain
