@@ -207,18 +207,14 @@ class ExpertPool:
             return out
         pairs, experts, counts = _by_slot(pairs, flat[pairs] - self.num_upload)
         self.experts_read += int(experts.numel())
-        route = weights.reshape(-1).float()
-        picked = list(zip(experts.tolist(), pairs.split(counts.tolist())))
-        run = lambda job: rows(self._expert, x[job[1] // k], job[0])  # noqa: E731
+        # each expert's rows are a slice of one gather (pairs grouped by expert, a few ops a window, not a few an
+        # expert: on the H200 host each small op costs 5-10 us, about an expert's product over 20 of them)
+        parts = list(zip(experts.tolist(), x[pairs // k].split(counts.tolist())))
+        run = lambda job: rows(self._expert, job[1], job[0])  # noqa: E731
         workers = expert_workers()
-        ys = list(workers.map(run, picked)) if workers is not None and len(picked) > 1 else map(run, picked)
-        for (_, sel), y in zip(picked, ys):
-            # an expert's rows are distinct, so its products are added with a gather and a scatter, in ascending
-            # expert id (a row's sum runs in that order). Not `index_add_`: on the CPU its scatter-add took 250 us
-            # for one row of 2,048 on the H200 host's 16 threads, longer than the expert's products.
-            row = sel // k
-            out[row] = out[row] + y.float() * route[sel, None]
-        return out
+        ys = list(workers.map(run, parts)) if workers is not None and len(parts) > 1 else [run(j) for j in parts]
+        y = torch.cat(ys).float() * weights.reshape(-1)[pairs].float()[:, None]  # [P, H] in expert order
+        return _sum_by_row(y, pairs // k, r, k)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if self.int4:  # each matrix int4 or plain (Q4_K_M: q4_k gate_up, q6_k down written out)
@@ -333,6 +329,23 @@ def set_expert_workers(workers: int) -> None:
     POOL_WORKERS = workers
     while _workers:
         _workers.pop().shutdown()
+
+
+def _sum_by_row(y: torch.Tensor, row: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """y [P, H]: pair outputs in ascending expert id, row [P] their rows -> [r, H], each row's pairs summed in that
+    order (so a row's bits depend only on its own pairs). The pairs are placed at (row, rank among the row's pairs)
+    of a zero-padded [r, k, H] and added rank by rank: a few ops a window, where `index_add_` was one slow scatter
+    an expert (250 us for one row of 2,048 on the H200 host)."""
+    out = torch.zeros(r, k, y.shape[1], dtype=y.dtype)
+    order = torch.argsort(row, stable=True)  # by row; the expert order kept within a row
+    by_row = row[order]
+    per_row = torch.bincount(row, minlength=r)
+    rank = torch.arange(row.numel()) - (torch.cumsum(per_row, 0) - per_row)[by_row]
+    out[by_row, rank] = y[order]
+    total = out[:, 0]
+    for j in range(1, int(per_row.max())):
+        total = total + out[:, j]
+    return total.contiguous()
 
 
 def _by_slot(pairs: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
