@@ -40,9 +40,9 @@ log = logging.getLogger("strata.engine")
 # 50 % resident); STRATA_POOL_GRAPHS=0 runs them eagerly.
 POOL_GRAPHS = os.environ.get("STRATA_POOL_GRAPHS", "1") != "0"
 # ... with uploads (`--pcie-frac`): the uploads queued between two stretches into a fixed buffer that the next
-# stretch adds. Off (eager windows) until its output is checked against the eager path on a GPU:
-# STRATA_POOL_GRAPHS_UPLOAD=1 turns it on.
-POOL_GRAPHS_UPLOAD = os.environ.get("STRATA_POOL_GRAPHS_UPLOAD", "0") == "1"
+# stretch adds. Checked token for token against the eager path on an H200 (twenty-sixth session, `bench/experts.py
+# --check --pcie-frac 0,0.5`); STRATA_POOL_GRAPHS_UPLOAD=0 runs such stages eagerly.
+POOL_GRAPHS_UPLOAD = os.environ.get("STRATA_POOL_GRAPHS_UPLOAD", "1") != "0"
 
 
 class TritonDecode:

@@ -80,8 +80,8 @@ class Forward:
                 self.fast = fast_decode.GraphedDecode(self.fast)
             elif cuda_graphs and fast_decode.POOL_GRAPHS and (fast_decode.POOL_GRAPHS_UPLOAD or not any(
                     p.num_upload for p in self.pools.values())):
-                # with CPU pools: a graph a stretch between two of them; with uploads (--pcie-frac) only where
-                # POOL_GRAPHS_UPLOAD is on (not yet checked on a GPU)
+                # with CPU pools: a graph a stretch between two of them, uploads (--pcie-frac) queued between
+                # stretches (STRATA_POOL_GRAPHS_UPLOAD=0: such stages eagerly)
                 self.fast = fast_decode.GraphedPooledDecode(self.fast)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
