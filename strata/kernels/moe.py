@@ -59,7 +59,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
         r = row_of[start : start + n]
         start += n
         y = rows(swiglu, x[r], gate_up[expert], down[expert]) * weights.reshape(-1)[sel, None]
-        out[r] = out[r] + y  # an expert's rows are distinct (CPU index_add_ is a slow scatter: strata/experts/pool.py)
+        out.index_add_(0, r, y)  # a reference: rows may repeat within an expert (ids clamped by a caller)
     return out
 
 
