@@ -202,7 +202,6 @@ def check(make_engine, rows: int, tokens: int, prompt_len: int) -> bool:
 def main(argv: list[str] | None = None) -> None:
     from shapes import shape
 
-    from strata.experts.pool import set_expert_workers
     from strata.experts.residency import expert_bytes
     from strata.model.random_weights import random_stage_weights
     from strata.runtime.generate import Engine
@@ -228,8 +227,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script, not a figure)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--prompt-read", type=int, default=0, help="also time one prompt of this many tokens read")
-    p.add_argument("--pool-workers", default="1", help="experts the CPU pool computes at once, e.g. 1,4,8 (each "
-                   "partly resident row is run at each; STRATA_POOL_WORKERS, `strata.experts.pool.expert_workers`)")
     p.add_argument("--check", action="store_true", help="first check greedy outputs at each resident share: eager "
                    "== segment graphs, batched == solo (exit 1 if not)")
     args = p.parse_args(argv)
@@ -250,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     link_bw = pcie_gbps(device) if device.type == "cuda" else float("inf")
     pcie = f"; PCIe upload {link_bw:.1f} GB/s" if device.type == "cuda" else ""
     print("host read: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in reads.items()) + pcie)
-    print(f"{'resident':>8} {'pcie':>4} {'wk':>2} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
+    print(f"{'resident':>8} {'pcie':>4} {'rows':>4} {'tok/s':>8} {'roofline':>8} {'of it':>6} {'window ms':>9} "
           f"{'pool ms':>8} {'wait ms':>8} {'pool MB':>8} {'pool GB/s':>9} {'up MB':>6} {'on device':>9}")
     fracs = [float(x) for x in args.pcie_frac.split(",")]
 
@@ -272,11 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         if not good:
             sys.exit(1)
     full: dict[int, float] = {}
-    workers = [int(x) for x in args.pool_workers.split(",")]
-    runs = [(share, frac, w) for share in (float(x) for x in args.resident.split(","))
-            for frac in (fracs if share < 1 else [0.0]) for w in (workers if share < 1 else [1])]
-    for share, frac, w in runs:
-        set_expert_workers(w)
+    runs = [(share, frac) for share in (float(x) for x in args.resident.split(","))
+            for frac in (fracs if share < 1 else [0.0])]
+    for share, frac in runs:
         engine = make_engine(share, frac)
         if args.prompt_read:
             prompt = [(11 + 13 * j) % spec.vocab_size for j in range(args.prompt_read)]
@@ -298,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                                                         m["upload_bytes"] / (link_bw * 1e9))
             roof = rows / floor
             pool_rate = m["pool_bytes"] / m["pool_s"] / 1e9 if m["pool_s"] else float("nan")
-            print(f"{share:>8.0%} {frac:>4.2g} {w:>2} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
+            print(f"{share:>8.0%} {frac:>4.2g} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
                   f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
                   f"{pool_rate:>9.1f} {m['upload_bytes'] / 1e6:>6.1f} {m['hit']:>9.1%}", flush=True)
         del engine

@@ -399,7 +399,7 @@ def test_a_swapped_out_expert_lands_in_the_pool_before_it_is_read(upload):
 
 @pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, False)] + [
     (dtype, True) for dtype in (torch.float32, torch.bfloat16)
-    if __import__("strata.experts.pool", fromlist=["packable"]).packable(dtype)
+    if __import__("strata.kernels.onednn", fromlist=["available"]).available(dtype)
 ])  # oneDNN's blocked weights: float32 wherever torch has oneDNN, bf16 where the CPU has AVX-512 or AMX
 def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
     """The pool's share of each row, in either weight layout: the float32 sum of its pairs (against a float64

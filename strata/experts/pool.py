@@ -25,9 +25,7 @@ like its device share, does not depend on which other rows share the window.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +37,6 @@ from strata.quant.packed import PackedWeight, dequantize
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
-
-
-def packable(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs oneDNN's products on pre-blocked weights of `dtype` (`strata.kernels.onednn`)."""
-    return onednn.available(dtype)
 
 
 INT4_GROUP = 32  # q4_k's scale group: one (scale, zero) pair a group in torch's int4 layout
@@ -93,7 +86,7 @@ class ExpertPool:
 
     def __init__(self, offloaded: Tensors, num_experts: int, pack: bool | None = None, upload: float = 0.0,
                  pin: bool = False):
-        """`pack`: keep the weights in oneDNN's blocked layout (`packable`; None: wherever it is), which the CPU
+        """`pack`: keep the weights in oneDNN's blocked layout (`onednn.available`; None: wherever it is), which the CPU
         streams at up to 1.6x the plain layout's rate in bf16 (bench/experts.py), 2.5-4x in float32 on AMD (MKL's slow
         path there: `strata.kernels.onednn`). `upload`: the share
         of the experts (host slots 0..U-1, U = round(upload x N)) whose pairs the device computes after uploading
@@ -115,7 +108,7 @@ class ExpertPool:
         # global id -> host slot: 0..U-1 uploaded, U..N-1 computed by the CPU (its lists' entry slot - U); N: not here
         self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)
         self.index[ids] = torch.arange(self.num_here)
-        self.packed = (packable(dtype) if pack is None else pack) and not self.int4
+        self.packed = (onednn.available(dtype) if pack is None else pack) and not self.int4
         n_cpu = self.num_here - u
         if self.packed:  # the blocked copies replace the plain ones (no second copy of the pool in host RAM)
             self.gate_up = [onednn.block(gate_up[e]) for e in range(n_cpu)]
@@ -210,9 +203,7 @@ class ExpertPool:
         # each expert's rows are a slice of one gather (pairs grouped by expert, a few ops a window, not a few an
         # expert: on the H200 host each small op costs 5-10 us, about an expert's product over 20 of them)
         parts = list(zip(experts.tolist(), x[pairs // k].split(counts.tolist())))
-        run = lambda job: rows(self._expert, job[1], job[0])  # noqa: E731
-        workers = expert_workers()
-        ys = list(workers.map(run, parts)) if workers is not None and len(parts) > 1 else [run(j) for j in parts]
+        ys = [rows(self._expert, part, e) for e, part in parts]
         y = torch.cat(ys).float() * weights.reshape(-1)[pairs].float()[:, None]  # [P, H] in expert order
         return _sum_by_row(y, pairs // k, r, k)
 
@@ -300,35 +291,6 @@ class PoolJob:
         # Converted on the host and uploaded from pinned memory; the caching host allocator keeps the buffer
         # until the copy queued on the stage's stream has run.
         return to_pinned(out.to(self.dtype), copy_on_host=True).to(self.device, non_blocking=True)
-
-
-POOL_WORKERS = int(os.environ.get("STRATA_POOL_WORKERS", "1"))  # experts computed at once (see `expert_workers`)
-_workers: list = []
-
-
-def expert_workers() -> ThreadPoolExecutor | None:
-    """With STRATA_POOL_WORKERS=W > 1: W threads, each computing whole experts with torch.get_num_threads() // W
-    intra-op threads of its own, so a window's experts run side by side instead of each product forking all the
-    threads (a one-row product over one expert is too short for 16 threads to pay off). A worker's thread count is
-    fixed, so an expert's bits do not depend on the window. None: one expert after another (the default until
-    measured on a many-core host)."""
-    if POOL_WORKERS <= 1:
-        return None
-    if not _workers:
-        each = max(1, torch.get_num_threads() // POOL_WORKERS)
-        _workers.append(ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="strata-pool",
-                                           initializer=torch.set_num_threads, initargs=(each,)))
-    return _workers[0]
-
-
-def set_expert_workers(workers: int) -> None:
-    """Compute up to `workers` experts at once from now on (`expert_workers`; 1: one after another)."""
-    global POOL_WORKERS
-    if workers < 1:
-        raise ValueError(f"expert workers {workers}: expected at least 1")
-    POOL_WORKERS = workers
-    while _workers:
-        _workers.pop().shutdown()
 
 
 def _sum_by_row(y: torch.Tensor, row: torch.Tensor, r: int, k: int) -> torch.Tensor:

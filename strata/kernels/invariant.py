@@ -34,7 +34,8 @@ log = logging.getLogger("strata.engine")
 
 
 def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int = 5) -> tuple[int, dict[int, float]]:
-    """(the block, {rows: seconds}): F.linear over a [N, 1024] weight of about `nbytes`, each row count timed
+    """(the block, {rows: seconds}): the CPU stage's product (oneDNN's over blocked weights where `onednn.available`,
+    else F.linear) over a [N, 1024] weight of about `nbytes`, each row count timed
     `repeats` times over a fresh pass (best kept), the weights walked in four parts so no part stays cached."""
     from strata.kernels import onednn
 

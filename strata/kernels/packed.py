@@ -152,7 +152,7 @@ def grid_words(w: PackedWeight | torch.Tensor) -> torch.Tensor:
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear over a weight that may be packed (written out in x's dtype first: the prompt windows' products) or
     in oneDNN's blocked layout (a CPU stage's, `strata.kernels.onednn`)."""
-    if isinstance(weight, torch.Tensor) and weight.is_mkldnn:
+    if onednn.is_blocked(weight):
         return onednn.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         weight = dequantize_triton(weight, x.dtype)
