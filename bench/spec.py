@@ -8,7 +8,10 @@ without drafts (drafts never change a greedy answer). Prints tok/s with and with
 acceptance per draft position, for each `--spec` given (comma-separated; `--fixed` adds each with a fixed draft length,
 shown as `mtp:2=`; `--dtype bfloat16` for the engines); `--server` then sends the repeat prompt
 through `strata serve` (streaming clients, a server per setting) for the same ratios as a user gets them. `--spec-max-active` is 64 here, so every
-slot count drafts (the engine's default stops drafting above 4 active slots).
+slot count may draft (the engine's default stops drafting above 4 active slots); on the CPU MTP drafts take only
+the rows the decoding slots leave free in their last block of rows, as the engine does by default
+(`SpeculativeConfig.within_row_block`; `--draft-everywhere` turns that off, to see what it saves). `--prompts chat`
+(in the default set) answers eight everyday requests, each to its end of turn: the acceptance a chat user sees.
 
 GPU (`--window-cost`): random weights at a real shape, Triton kernels and CUDA graphs. For n slots (each holding a
 128-token context) it times a decode window of n x (1 + k) rows, each slot's rows at consecutive positions as a
@@ -41,14 +44,27 @@ PROMPTS = {
     "repeat": f"Repeat the following text exactly, word for word.\n\n{TEXT}",
     "question": "Explain in a few sentences why the sky is blue.",
 }
+# `--prompts chat`: everyday requests, written for this benchmark (none is among train/mtp_head.py's training or
+# held-out prompts), each answered to its end of turn (at most --tokens): what a chat user's answers look like,
+# where the two above are one short answer each run past its end (`ignore_eos`).
+CHAT = [
+    "How do I remove a coffee stain from a white shirt?",
+    "Write a short poem about a train crossing the mountains at night.",
+    "What are three differences between frogs and toads?",
+    "Give me a packing list for a week at the beach.",
+    "Explain what compound interest is, with an example.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Why do leaves change colour in the autumn?",
+    "Suggest five names for a small bookshop and say why each fits.",
+]
 
 
-def decode(engine, prompts: list[list[int]], tokens: int):
-    """Every prompt in a slot of its own, admitted together and run to `tokens` tokens; (answers, decode tokens/s
-    after every first token, the slots)."""
+def decode(engine, prompts: list[list[int]], tokens: int, stop_ids: frozenset[int] = frozenset()):
+    """Every prompt in a slot of its own, admitted together and run to `tokens` tokens (or a stop id); (answers,
+    decode tokens/s after every first token, the slots)."""
     slots = engine.init_slots(len(prompts))
     for i, ids in enumerate(prompts):
-        slots.admit(i, ids, tokens, stop_ids=frozenset())
+        slots.admit(i, ids, tokens, stop_ids=stop_ids)
     out: dict[int, list[int]] = {}
     start = None
     while slots.active or slots.in_flight:
@@ -58,7 +74,26 @@ def decode(engine, prompts: list[list[int]], tokens: int):
             start = time.perf_counter()
             first = sum(len(v) for v in out.values())
     took = time.perf_counter() - start
-    return [out[i] for i in range(len(prompts))], (sum(len(v) for v in out.values()) - first) / took, slots
+    made = sum(len(v) for v in out.values()) - first
+    return [out[i] for i in range(len(prompts))], made / took, slots, (made, took)
+
+
+def decode_set(engine, prompts: list[list[int]], n: int, tokens: int, stop_ids: frozenset[int]):
+    """The prompts n at a time (each group admitted together and run to its end): (answers, decode tokens/s over
+    all groups, spec counts summed, accepted per position summed)."""
+    answers, made, took = [], 0, 0.0
+    counts: dict[str, int] = {}
+    per_pos: list[int] = []
+    for start in range(0, len(prompts), n):
+        out, _, slots, (group_made, group_took) = decode(engine, prompts[start:start + n], tokens, stop_ids)
+        answers += out
+        made += group_made
+        took += group_took
+        for key, value in getattr(slots, "spec_counts", {}).items():
+            counts[key] = counts.get(key, 0) + value
+        pos = getattr(slots, "spec_accepted_per_pos", [])
+        per_pos = [a + b for a, b in zip(per_pos, pos)] if per_pos else list(pos)
+    return answers, made / took, counts, per_pos
 
 
 def window_cost(args) -> None:
@@ -102,8 +137,10 @@ def window_cost(args) -> None:
         return start.elapsed_time(end) / args.iters
 
     rates = (0.5, 0.7, 0.9)
+    head = [float(a) for a in args.head_acceptance.split(",")] if args.head_acceptance else []
     print(f"{'slots':>5} {'1-row step':>10} " + " ".join(f"{'c(' + str(k) + ')':>13}" for k in range(1, 5))
-          + "   best k and the speed it implies at an acceptance of " + ", ".join(map(str, rates)))
+          + "   best k and the speed it implies at an acceptance of " + ", ".join(map(str, rates))
+          + (f" per position, and at the head's chained {head}" if head else ""))
     for n in counts:
         base = timed(n, 0, False)
         cells, implied = [], []
@@ -111,7 +148,10 @@ def window_cost(args) -> None:
             other, same = timed(n, k, False) / base, timed(n, k, True) / base
             cells.append(f"{other:>5.2f} ({same:.2f})")
             implied.append([(1 - a ** (k + 1)) / (1 - a) / other for a in rates])
-        best = [max(range(4), key=lambda k: implied[k][j]) for j in range(len(rates))]
+            if head and k <= len(head):  # the head's chained acceptance: 1 + a_1 + .. + a_k tokens a window
+                implied[-1].append((1 + sum(head[:k])) / other)
+        best = [max((k for k in range(4) if j < len(implied[k])), key=lambda k: implied[k][j])
+                for j in range(len(rates) + bool(head))]
         tok_s = n * 1000 / base
         print(f"{n:>5} {base:>7.2f} ms " + " ".join(f"{c:>13}" for c in cells) + "   " + ", ".join(
             f"k={b + 1}: {implied[b][j]:.2f}x ({tok_s * implied[b][j]:,.0f} tok/s)" for j, b in enumerate(best)))
@@ -162,15 +202,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--spec", default="ngram:4", help="one or more, comma-separated: ngram:4,mtp:3")
     p.add_argument("--slots", default="1,4,8")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="answer length of the repeat and question prompts")
+    p.add_argument("--prompts", default="repeat,question,chat",
+                   help="which prompts, comma-separated: repeat, question (one each, --tokens long past their end), "
+                   "chat (the CHAT set, each to its end of turn or --chat-tokens)")
+    p.add_argument("--chat-tokens", type=int, default=256, help="at most this many tokens a chat answer")
     p.add_argument("--max-cells", type=int, default=1024)
     p.add_argument("--window-cost", action="store_true", help="the GPU part: c(k) at --shape on --device")
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int)
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--head-acceptance", default="0.62,0.34,0.16",
+                   help="--window-cost: also the speed implied at this chained acceptance per draft position (the "
+                   "embedded default's head on the chat prompts, as the CPU run prints it)")
     p.add_argument("--server", action="store_true", help="also through strata serve (the repeat prompt)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the CPU engines' dtype")
+    p.add_argument("--draft-everywhere", action="store_true", help="on the CPU, draft in every window (not only in "
+                   "the rows free in the decoding slots' last block of rows)")
     p.add_argument("--fixed", action="store_true", help="also draft K tokens every window (not one more than the "
                    "slot's drafts had accepted last time)")
     args = p.parse_args(argv)
@@ -182,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     plain = Engine(files, max_cells=args.max_cells, dtype=dtype)
     print(f"{args.model} on cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"{args.dtype}, {args.tokens} tokens each, greedy")
+          f"{args.dtype}, greedy; repeat and question: {args.tokens} tokens each; chat: {len(CHAT)} prompts, each to its "
+          f"end of turn (at most {args.chat_tokens})")
     print(f"{'--spec':>8} {'prompt':>9} {'slots':>5} {'tok/s without':>14} {'with':>8} {'ratio':>6} "
           f"{'accepted / drafted':>19} {'accepted per position':>22}")
     import dataclasses
@@ -190,21 +240,27 @@ def main(argv: list[str] | None = None) -> None:
     variants = [(v, True) for v in args.spec.split(",")] + ([(v, False) for v in args.spec.split(",")]
                                                            if args.fixed else [])
     for value, adaptive in variants:
-        config = dataclasses.replace(parse_spec(value, max_active=64), adaptive=adaptive)
+        config = dataclasses.replace(parse_spec(value, max_active=64), adaptive=adaptive,
+                                     within_row_block=False if args.draft_everywhere else None)
         drafting = Engine(files, max_cells=args.max_cells, dtype=dtype, speculative=config)
         value = value if adaptive else value + "=" 
-        for name, text in PROMPTS.items():
-            ids = tok.encode_chat([{"role": "user", "content": text}])
+        for name in args.prompts.split(","):
+            if name == "chat":
+                prompts, tokens, stops = [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT], \
+                    args.chat_tokens, tok.stop_ids
+            else:
+                prompts, tokens, stops = [tok.encode_chat([{"role": "user", "content": PROMPTS[name]}])], \
+                    args.tokens, frozenset()
             for n in (int(x) for x in args.slots.split(",")):
-                answers, base, _ = decode(plain, [ids] * n, args.tokens)
-                drafted_answers, fast, slots = decode(drafting, [ids] * n, args.tokens)
+                group = prompts if name == "chat" else prompts * n
+                answers, base, _, _ = decode_set(plain, group, n, tokens, stops)
+                drafted_answers, fast, counts, accepted_at = decode_set(drafting, group, n, tokens, stops)
                 if drafted_answers != answers:
                     raise SystemExit(f"{value}, {name}, {n} slots: the answers with drafts differ from those without")
-                counts = slots.spec_counts
                 rate = counts["accepted"] / max(counts["draft_tokens"], 1)
-                per_pos = " ".join(f"{c / max(counts['drafts'], 1):.2f}" for c in slots.spec_accepted_per_pos)
+                per_pos = " ".join(f"{c / max(counts['drafts'], 1):.2f}" for c in accepted_at)
                 print(f"{value:>8} {name:>9} {n:>5} {base:>14.1f} {fast:>8.1f} {fast / base:>5.2f}x "
-                      f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}")
+                      f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}", flush=True)
     print("\nanswers with drafts equal those without: yes")
     if args.server:
         through_server(args, tok.encode_chat([{"role": "user", "content": PROMPTS["repeat"]}]))

@@ -65,7 +65,8 @@ def engines(request, tmp_path_factory):
     plain = Engine(files, max_cells=256, max_window_tokens=32)
     # one-token lookups too, so that drafts are rejected as well as kept
     drafting = Engine(files, max_cells=256, max_window_tokens=32,
-                      speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=64))
+                      speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=64,
+                                                  within_row_block=False))
     return plain, drafting
 
 
@@ -337,7 +338,7 @@ def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp
     files = ModelFiles.open(folder)
     plain = Engine(files, max_cells=128)
     engine = Engine(files, max_cells=128, max_window_tokens=8,
-                    speculative=SpeculativeConfig("mtp", 2, adaptive=False))
+                    speculative=SpeculativeConfig("mtp", 2, adaptive=False, within_row_block=False))
     reference = ReferenceMTP(model.eval(), tensors)
     prompts = [repetitive(3, 19), repetitive(4, 11)]
     slots = engine.init_slots(2)
@@ -358,11 +359,44 @@ def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp
 
 
 @pytest.mark.parametrize("mtp_model", ["llama-gqa-tied"], indirect=True)
+def test_a_paused_mtp_layer_catches_up_when_drafting_resumes(mtp_model):
+    """--spec-max-active 1: while two conversations decode, no draft fits, so the MTP layer does not run at all
+    (its rows wait in the slots); once one has ended, the other drafts again from cells that read every row it
+    held: its drafts equal the reference's over the whole sequence, and the answers are unchanged."""
+    folder, model, tensors = mtp_model
+    files = ModelFiles.open(folder)
+    plain = Engine(files, max_cells=128)
+    engine = Engine(files, max_cells=128, max_window_tokens=16,
+                    speculative=SpeculativeConfig("mtp", 2, adaptive=False, max_active=1, within_row_block=False))
+    reference = ReferenceMTP(model.eval(), tensors)
+    prompts = [repetitive(5, 13), repetitive(6, 17)]
+    slots = engine.init_slots(2)
+    calls = []
+    run_mtp = engine.stages[-1].forward.run_mtp
+    engine.stages[-1].forward.run_mtp = lambda *a: calls.append(len(slots.active)) or run_mtp(*a)
+    slots.admit(0, prompts[0], 6, stop_ids=NO_STOP)
+    slots.admit(1, prompts[1], 24, stop_ids=NO_STOP)
+    out: dict[int, list[int]] = {}
+    seen = []
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+        s = slots.slots[1]
+        if s.active and s.mtp_drafts:
+            seen.append((s.state.tokens + [s.next_token], list(s.mtp_drafts)))
+    assert [out[0], out[1]] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, (6, 24))]
+    assert calls and calls[0] == 1, calls  # no MTP pass while both were active
+    assert len(seen) >= 5 and all(d == reference.drafts(ids, len(d)) for ids, d in seen)
+    assert slots.spec_counts["drafts"] >= 5
+
+
+@pytest.mark.parametrize("mtp_model", ["llama-gqa-tied"], indirect=True)
 def test_mtp_cells_come_back_with_a_reused_or_parked_prefix(mtp_model):
     """A follow-up that reuses a parked conversation's prefix (and one that reuses an idle slot's) drafts from MTP
     cells that were parked and restored (copied) with the rest: its drafts equal the reference's."""
     folder, model, tensors = mtp_model
-    engine = Engine(ModelFiles.open(folder), max_cells=128, speculative=SpeculativeConfig("mtp", 2, adaptive=False))
+    engine = Engine(ModelFiles.open(folder), max_cells=128,
+                    speculative=SpeculativeConfig("mtp", 2, adaptive=False, within_row_block=False))
     reference = ReferenceMTP(model.eval(), tensors)
     slots = engine.init_slots(2)
 
@@ -401,7 +435,8 @@ def test_no_slot_drafts_while_more_than_spec_max_active_slots_are_active(engines
     ended, the other drafts again."""
     plain, _ = engines
     engine = Engine(plain.files, max_cells=256, max_window_tokens=32,
-                    speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=1))
+                    speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=1,
+                                                  within_row_block=False))
     slots = engine.init_slots(2)
     prompts = [repetitive(1), repetitive(2)]
     slots.admit(0, prompts[0], 6, stop_ids=NO_STOP)
@@ -418,6 +453,39 @@ def test_no_slot_drafts_while_more_than_spec_max_active_slots_are_active(engines
     assert [out[0], out[1]] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, (6, 30))]
 
 
+@pytest.mark.parametrize("engines", ["llama-gqa-tied"], indirect=True)
+def test_on_the_cpu_drafts_take_only_the_rows_free_in_the_last_row_block(engines, monkeypatch):
+    """A decode window's products run in blocks of rows (here 4): drafts kept to the free rows (MTP's by default)
+    fill the rows the decoding slots leave free in their last block and never start a block of their own; four
+    decoding slots fill theirs, so none drafts while four are active. The answers stay the solo ones."""
+    assert parse_spec("mtp:2").keeps_to_free_rows and not parse_spec("ngram:2").keeps_to_free_rows
+    from strata.kernels import invariant
+
+    monkeypatch.setattr(invariant, "_blocks", {})
+    monkeypatch.setenv("STRATA_ROW_BLOCK", "4")
+    plain, _ = engines
+    engine = Engine(plain.files, max_cells=256, max_window_tokens=32,
+                    speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, max_active=64,
+                                                  within_row_block=True))
+    slots = engine.init_slots(4)
+    assert slots.row_block == 4
+    prompts = [repetitive(i, 24) for i in range(4)]
+    lengths = (6, 14, 22, 30)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        slots.admit(i, p, n, stop_ids=NO_STOP)
+    out: dict[int, list[int]] = {}
+    windows = []  # (slots decoding when the window was built, its decode rows with drafts)
+    while slots.active or slots.in_flight:
+        decoding = sum(s.active and not s.unread for s in slots.slots)
+        for e in slots.step():
+            out.setdefault(e.slot, []).append(e.token)
+        windows += [(decoding, d) for d, _ in slots.take_read_log() if d]
+    assert [out[i] for i in range(4)] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, lengths)]
+    assert all(rows <= 4 for _, rows in windows), windows
+    assert all(rows == 4 for n, rows in windows if n == 4)  # no drafts beside four decoding slots
+    assert any(rows > n for n, rows in windows if n < 4) and slots.spec_counts["draft_tokens"] > 0, windows
+
+
 @pytest.mark.parametrize("mtp_model", ["qwen3_next-dense"], indirect=True)
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_drafts_through_a_two_stage_split_give_the_one_stage_tokens(mtp_model, method):
@@ -427,7 +495,8 @@ def test_drafts_through_a_two_stage_split_give_the_one_stage_tokens(mtp_model, m
     files = ModelFiles.open(folder)
     plain = Engine(files, max_cells=128)
     split = Engine(files, max_cells=128, layer_split="2,2", max_window_tokens=16,
-                   speculative=SpeculativeConfig(method, 3, prompt_lookup_min=1, max_active=8))
+                   speculative=SpeculativeConfig(method, 3, prompt_lookup_min=1, max_active=8,
+                                                 within_row_block=False))
     prompts = [repetitive(6, 18), repetitive(7, 9)]
     slots = split.init_slots(2)
     out: dict[int, list[int]] = {}
@@ -443,7 +512,8 @@ def test_drafts_through_a_two_stage_split_give_the_one_stage_tokens(mtp_model, m
 def test_the_default_models_mtp_head_drafts_what_the_model_writes(default_engine):
     """`--model default --spec mtp:3` loads the head Strata ships (train/mtp_head.py): a chat answer with its drafts
     equals the one without, and the head's first drafts are right far above chance (8,192 draft tokens)."""
-    engine = Engine(default_engine.files, max_cells=1024, speculative=SpeculativeConfig("mtp", 3))
+    engine = Engine(default_engine.files, max_cells=1024,
+                    speculative=SpeculativeConfig("mtp", 3, within_row_block=False))
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
     plain = default_engine.generate(ids, 36, stop_ids=NO_STOP).ids

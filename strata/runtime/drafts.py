@@ -16,9 +16,10 @@ from strata.errors import StrataError
 
 METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
-# by device type, measured (docs/PERFORMANCE.md, bench/spec.py): on the CPU n-gram drafts gained 1.6x at 4 streams
-# and nothing at 8; on an H200 a window of 1 + k rows a slot still pays at 8 slots, while at 32 a Qwen3-Next shape's
-# breaks even only at an acceptance of 0.5 or more
+# by device type, measured (docs/PERFORMANCE.md, bench/spec.py): on the CPU n-gram drafts gained 1.15-1.24x at 4
+# and 8 streams on a repeated text (MTP drafts there keep to the free rows of a block: `within_row_block`); on an
+# H200 a window of 1 + k rows a slot still pays at 8 slots, while at 32 a Qwen3-Next shape's breaks even only at an
+# acceptance of 0.5 or more
 DEFAULT_SPEC_MAX_ACTIVE = {"cpu": 4, "cuda": 16}
 
 
@@ -34,6 +35,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # a lone repeated token is weak evidence: most such drafts are rejected
     adaptive: bool = True  # draft one more token than the slot's drafts had accepted last time (False: always K)
     max_active: int = DEFAULT_SPEC_MAX_ACTIVE["cpu"]  # no slot drafts while more slots than this are active (`--spec-max-active`)
+    # on the CPU, drafts take only the rows the decoding slots leave free in their last block of rows: a decode
+    # window's products run in zero-padded blocks (`strata.kernels.invariant.row_block`), so those rows cost the
+    # products nothing, while a row more starts a block of its own. None: by method: MTP drafts (proposed in every
+    # window, each costing the MTP layer) keep to the free rows, n-gram drafts (proposed only where the text
+    # repeats) do not. Measured with a block of 4, drafting everywhere: MTP 0.64-0.87x at 4 and 8 slots, n-gram
+    # 1.15-1.24x on a repeated text and 0.99-1.00x on a question (docs/PERFORMANCE.md, Drafts)
+    within_row_block: bool | None = None
+
+    @property
+    def keeps_to_free_rows(self) -> bool:
+        return self.method == "mtp" if self.within_row_block is None else self.within_row_block
 
     def __str__(self) -> str:
         return f"{self.method}:{self.num_speculative_tokens}"

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.kernels.invariant import row_block
 from strata.runtime.drafts import propose
 from strata.errors import StrataError
 from strata.runtime.generate import Engine
@@ -69,6 +70,8 @@ class Slot:
     counts: torch.Tensor | None = None  # [V] int32 counts of generated tokens, only with penalties
     draft_len: int = 0  # drafts it may propose next (`--spec`): one more than it had accepted last time
     mtp_drafts: list[int] = field(default_factory=list)  # what the MTP layer drafted after its last window
+    # rows the MTP layer has not read yet, consecutive: (first position, hidden states, next tokens) (`_run_mtp`)
+    mtp_pending: list[tuple[int, torch.Tensor, list[int]]] = field(default_factory=list)
     logprobs: int | None = None  # report each token's log-probability and this many top ones (None: none)
     matcher: "GrammarMatcher | None" = None  # the constraint its answer follows (structured output), or None
     follows: int | None = None  # the slot reading the same prompt, whose read this one shares (`admit`)
@@ -158,6 +161,9 @@ class Slots:
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
         self._read_log: deque[tuple[int, int]] = deque(maxlen=4096)  # (decode rows, prompt rows) of windows read
         self.speculative = engine.speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
+        # on the CPU's torch kernels a decode window's products run in blocks of this many rows (`row_block`)
+        self.row_block = (row_block(engine.dtype) if self.speculative and engine.device.type == "cpu"
+                          and engine.kernels == "torch" else None)
         # vLLM's spec_decode counters: windows with drafts (one per drafting slot), drafted and accepted tokens,
         # and accepted tokens by draft position
         self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
@@ -232,7 +238,7 @@ class Slots:
             slot.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
         others = [s.state for j, s in enumerate(self.slots) if not s.active and j not in busy] + list(idle)
         slot.num_reused = self.engine.reuse(slot.state, prompt_ids, others)
-        slot.mtp_drafts = []
+        slot.mtp_drafts, slot.mtp_pending = [], []
         if self.mtp is not None and slot.num_reused and not slot.state.conv:  # (a GDN state is kept whole)
             # the MTP cell of the last reused position pairs its hidden state with the token after it: read that
             # position again, so the cell is made with this prompt's next token
@@ -435,13 +441,13 @@ class Slots:
         return short
 
     def _drafts(self, decoding: list[int], room: int) -> dict[int, list[int]]:
-        """Draft tokens for the decoding slots, within `room` rows of the window: at most what their max_new and
+        """Draft tokens for the decoding slots, within `room` rows of the window (on the CPU, within the rows their
+        last block of rows leaves free: `SpeculativeConfig.keeps_to_free_rows`): at most what their max_new and
         cells leave, and one more than the slot's last accepted count (a slot whose text stopped repeating drafts
         one token a window, which costs little, until the lookup is right again). Greedy and sampled slots alike:
         `_verify` keeps a draft iff it is the token its row picked (docs/BATCHING.md, drafts)."""
         spec, out = self.speculative, {}
-        if sum(s.active for s in self.slots) > spec.max_active:  # a window of this many rows is bound by compute
-            return out
+        room = min(room, self._draft_rows(len(decoding)))
         for i in decoding:
             slot = self.slots[i]
             if room <= 0:
@@ -461,6 +467,17 @@ class Slots:
                 out[i] = proposal
                 room -= len(proposal)
         return out
+
+    def _draft_rows(self, decoding: int) -> int:
+        """How many rows drafts may take in a window beside `decoding` decoding slots (its budget aside): none while
+        more than `max_active` slots are active (such a window is bound by compute); on the CPU, for drafts kept to
+        free rows (`SpeculativeConfig.keeps_to_free_rows`), those the decoding slots leave in their last block."""
+        spec = self.speculative
+        if sum(s.active for s in self.slots) > spec.max_active:
+            return 0
+        if spec.keeps_to_free_rows and self.row_block:
+            return -decoding % self.row_block
+        return self.budget
 
     def _launch(self, group: int, defer: bool = False) -> None:
         """Launch the group's next window, if it has a row to run (`_build`). `defer` (one group only): queue its
@@ -670,12 +687,21 @@ class Slots:
     def _run_mtp(self, sw: SlotWindow, indices: list[int], tokens: list[int]) -> None:
         """After a window is verified: the MTP layer reads each of its slots' kept rows t (the row's final hidden
         state and the token at t + 1: the prompt's next, a kept draft, or the token sampled), which makes their MTP
-        cells; then each slot that decodes next chains it `draft_len` times from its last row for its next drafts.
-        A chained row's cell lies past the kept rows and is made again once the position is read."""
+        cells; then each slot that decodes next chains it `draft_len` times from its last row for its next drafts
+        (within the rows drafts may take in the next window: `_draft_rows`).
+        A chained row's cell lies past the kept rows and is made again once the position is read.
+
+        While the next window can take no drafts at all (more slots active than `max_active`, or no free rows in
+        the CPU's block), the MTP layer does not run: each slot keeps its rows' hidden states and next tokens
+        (`Slot.mtp_pending`, a few KB a row) and the first window that may draft again reads them with its own rows
+        in one pass, so the cells are those of a layer that never paused and a paused layer costs nothing."""
         following = dict(zip(indices, tokens))  # a sampling slot's last kept token (the next it decodes)
         for i in sw.spans:
             self.slots[i].mtp_drafts = []
-        rows, inputs, segments, logit_rows, chains = [], [], [], [], []
+        # the drafts the next window can take (`_draft_rows`; about as many slots decode in it as now)
+        room = self._draft_rows(sum(self.slots[i].active and not self.slots[i].unread for i in self.groups[sw.group]))
+        hidden, inputs, segments, logit_rows, chains = [], [], [], [], []
+        r = 0
         for i, (start, n, first_pos) in sw.spans.items():
             slot = self.slots[i]
             if i in following:
@@ -685,23 +711,39 @@ class Slots:
                 after = slot.unread[0]  # a prompt chunk that is not its prompt's last
             else:
                 continue  # stopped while its prompt was read: it keeps no state worth drafting from
-            r = len(rows)
-            rows += range(start, start + n)
-            inputs += slot.state.tokens[first_pos + 1 : first_pos + n] + [after]
-            segments.append(Segment(slot.state, r, r + n, first_pos))
+            rows = (first_pos, sw.hidden[start : start + n], slot.state.tokens[first_pos + 1 : first_pos + n] + [after])
+            pending = slot.mtp_pending
+            if pending and pending[-1][0] + len(pending[-1][2]) != first_pos:
+                pending.clear()  # not the rows just before these (cannot happen while the slot keeps its sequence)
+            if room <= 0:
+                pending.append((first_pos, rows[1].clone(), rows[2]))
+                continue
+            parts = pending + [rows]
+            slot.mtp_pending = []
+            count = sum(len(p[2]) for p in parts)
+            hidden += [p[1] for p in parts]
+            inputs += [t for p in parts for t in p[2]]
+            segments.append(Segment(slot.state, r, r + count, parts[0][0]))
+            r += count
             if i in following and slot.active and slot.draft_len:
-                logit_rows.append(r + n - 1)
+                logit_rows.append(r - 1)
                 chains.append(i)
-        if not rows:
+        if not hidden:
             return
+        lengths = {}
+        for i in chains:
+            lengths[i] = min(self.slots[i].draft_len, room)
+            room -= lengths[i]
+        keep = [j for j, i in enumerate(chains) if lengths[i] > 0]
+        chains, logit_rows = [chains[j] for j in keep], [logit_rows[j] for j in keep]
         device = self.mtp.device
         window = self._mtp_window(segments, logit_rows)
-        out, picks = self.mtp.run_mtp(sw.hidden[row_tensor(rows, torch.int64, device)],
+        out, picks = self.mtp.run_mtp(torch.cat(hidden) if len(hidden) > 1 else hidden[0],
                                       row_tensor(inputs, torch.int64, device), window)
         drafts = {i: [p] for i, p in zip(chains, picks.tolist())}
         last = dict(zip(chains, out[window.logit_rows]))  # each chain's latest normed MTP output: its next h
-        for step in range(1, max((self.slots[i].draft_len for i in chains), default=0)):
-            chains = [i for i in chains if self.slots[i].draft_len > step
+        for step in range(1, max((lengths[i] for i in chains), default=0)):
+            chains = [i for i in chains if lengths[i] > step
                       and self.slots[i].state.length + step < self.slots[i].state.max_cells]
             if not chains:
                 break
