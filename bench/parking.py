@@ -10,7 +10,7 @@ same prompt read from nothing in the other slot. The medians of the rounds after
 captures what a follow-up at that length needs). With GDN layers and `--checkpoint-every`, also a follow-up whose history was rewritten 100 tokens before its end (as a chat template
 that drops an earlier answer's thinking does): the tokens it reads.
 
-    python bench/parking.py --shape qwen3-30b-a3b --contexts 4096,9216
+    python bench/parking.py --shape qwen3-30b-a3b --contexts 4096,9216 --park-vram-gb 0,4
     python bench/parking.py --shape qwen3-next-80b-a3b --layers 24 --contexts 4096,9216 --checkpoint-every 1024
 """
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from strata.model.random_weights import random_stage_weights
     from strata.runtime.generate import Engine
+    from strata.state.park_vram import VramTier
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new", type=int, default=16, help="tokens the follow-up adds")
     p.add_argument("--park-gb", type=float, default=8.0)
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--park-vram-gb", default="0",
+                   help="comma-separated: each a run of the rounds with copies in this many GB of VRAM "
+                   "(--park-vram-gb; 0: host RAM only), so the tiers compare in one run")
     p.add_argument("--repeat", type=int, default=4, help="rounds over the contexts; the first compiles and captures "
                    "what a follow-up at that length needs, so the medians of the others are printed")
     args = p.parse_args(argv)
@@ -88,20 +92,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.shape} ({spec.num_layers} layers: {len(spec.attention_layers())} attention, "
           f"{len(spec.gdn_layers())} GDN), random weights, {torch.cuda.get_device_name(device)}; follow-ups add "
           f"{args.new} tokens; --checkpoint-every {args.checkpoint_every}; medians of {max(1, args.repeat - 1)} rounds")
-    rows: dict[int, list[dict]] = {n: [] for n in contexts}
-    for r in range(args.repeat):
+    print(f"{'VRAM GB':>7} {'tier':>4} {'context':>7} {'parked MB':>9} {'park ms':>8} {'restore ms':>10} {'GB/s':>5} "
+          f"{'follow-up TTFT ms':>17} {'re-read TTFT ms':>15} {'ratio':>6} {'reused':>7} {'re-park ms':>10} "
+          f"{'re-park reused MB':>17}")
+    for vram_gb in (float(x) for x in args.park_vram_gb.split(",")):
+        engine.parking.vram = VramTier(int(vram_gb * 1e9)) if vram_gb else None
+        if engine.parking.vram is not None:
+            engine.parking.vram.reserve([device])
+        rows: dict[int, list[dict]] = {n: [] for n in contexts}
+        for r in range(args.repeat):
+            for n in contexts:
+                row = one_round(engine, slots, n, args.new, rand)
+                if r > 0 or args.repeat < 2:
+                    rows[n].append(row)
         for n in contexts:
-            row = one_round(engine, slots, n, args.new, rand)
-            if r > 0 or args.repeat < 2:
-                rows[n].append(row)
-    print(f"{'context':>7} {'parked MB':>9} {'park ms':>8} {'restore ms':>10} {'GB/s':>5} {'follow-up TTFT ms':>17} "
-          f"{'re-read TTFT ms':>15} {'ratio':>6} {'reused':>7} {'re-park ms':>10} {'re-park reused MB':>17}")
-    for n in contexts:
-        m = {k: statistics.median(row[k] for row in rows[n]) for k in rows[n][0]}
-        print(f"{n:>7} {m['parked'] / 1e6:>9.1f} {m['park'] * 1e3:>8.2f} {m['restore'] * 1e3:>10.2f} "
-              f"{m['parked'] / m['restore'] / 1e9:>5.1f} {m['ttft'] * 1e3:>17.2f} {m['fresh'] * 1e3:>15.2f} "
-              f"{m['fresh'] / m['ttft']:>5.1f}x {m['reused']:>7.0f} {m['repark'] * 1e3:>10.2f} "
-              f"{m['repark_reused'] / 1e6:>17.1f}")
+            m = {k: statistics.median(row[k] for row in rows[n]) for k in rows[n][0] if k != "tier"}
+            tier = "/".join(sorted({row["tier"] for row in rows[n]}))
+            print(f"{vram_gb:>7g} {tier:>4} {n:>7} {m['parked'] / 1e6:>9.1f} {m['park'] * 1e3:>8.2f} "
+                  f"{m['restore'] * 1e3:>10.2f} {m['parked'] / m['restore'] / 1e9:>5.1f} {m['ttft'] * 1e3:>17.2f} "
+                  f"{m['fresh'] * 1e3:>15.2f} {m['fresh'] / m['ttft']:>5.1f}x {m['reused']:>7.0f} "
+                  f"{m['repark'] * 1e3:>10.2f} {m['repark_reused'] / 1e6:>17.1f}", flush=True)
+        engine.parking.vram = None
+        torch.cuda.empty_cache()
     if args.checkpoint_every is not None and spec.gdn_layers():
         for n in contexts:
             follow = rand(n + args.new)
@@ -130,6 +142,7 @@ def one_round(engine, slots, n: int, new: int, rand) -> dict:
     follow = a + rand(new)  # (its answer's token stood in for by any: the same reuse)
     TIMES.clear()
     ttft_s, reused = first_token(slots, 0, follow)
+    tier = engine.parking.restores[-1][2] if engine.parking.restores else "-"
     before = engine.parking.reused_bytes
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -147,7 +160,7 @@ def one_round(engine, slots, n: int, new: int, rand) -> dict:
         slot.state.reset()
     engine.parking.clear()
     return {"parked": parked.nbytes, "park": park_s, "restore": TIMES.get("restore", float("nan")), "ttft": ttft_s,
-            "fresh": fresh_s, "reused": reused, "repark": repark_s, "repark_reused": repark_reused}
+            "fresh": fresh_s, "reused": reused, "repark": repark_s, "repark_reused": repark_reused, "tier": tier}
 
 
 if __name__ == "__main__":

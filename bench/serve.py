@@ -107,6 +107,8 @@ def engine_flags(args) -> list[str]:
         flags += ["--max-window-tokens", str(args.max_window_tokens)]
     if getattr(args, "spec", None):  # drafts (bench/spec.py --server): every slot count drafts
         flags += ["--spec", args.spec, "--spec-max-active", "256"]
+    if getattr(args, "park_vram_gb", 0):
+        flags += ["--park-vram-gb", str(args.park_vram_gb)]
     return flags
 
 
@@ -638,7 +640,8 @@ def alternate(model: str, args, vocab: int) -> None:
     finally:
         server.stop()
     engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
-                    max_window_tokens=args.max_window_tokens, checkpoint_every=0)  # the CLI's parking settings
+                    max_window_tokens=args.max_window_tokens, checkpoint_every=0,  # the CLI's parking settings
+                    park_vram_gb=args.park_vram_gb)
     scheduler = Scheduler(engine, 1, lambda line: None)
     warm_up(scheduler.slots)
     driver = InProcess(scheduler, args.device)
@@ -747,6 +750,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure the server alone, in front of a stand-in engine giving each running request a token "
                    "every MS milliseconds (bench/paced_engine.py)")
     p.add_argument("--json", help="also write every figure to this file")
+    p.add_argument("--park-vram-gb", type=float, default=0.0, help="the engines' --park-vram-gb (copies of parked "
+                   "conversations in VRAM: --alternate's turns are restored from there)")
     p.add_argument("--alternate", metavar="TOKENS[,TURNS]",
                    help="instead of the waves: two conversations of TOKENS tokens take turns on a one-slot server "
                         "(each turn parks the other; TURNS turns each, default 3, adding 16 tokens a turn): every "

@@ -159,9 +159,11 @@ def window_cost(args) -> None:
           "token again, in brackets: the same experts, so the difference is the cost of reading more experts)")
 
 
-def through_server(args, ids: list[int]) -> None:
-    """`--server`: the repeat prompt through `strata serve` (streaming /v1/completions clients, bench/serve.py's),
-    without drafts and with each --spec, at each slot count: total tok/s of the wave and its ratio."""
+def through_server(args, ids: list[int], chat: list[tuple[list[int], int]]) -> None:
+    """`--server`: through `strata serve` (streaming /v1/completions clients, bench/serve.py's), without drafts and
+    with each --spec: the repeat prompt at each slot count (total tok/s of the wave), and the chat prompts one
+    stream at a time (`chat`: each prompt and its answer's length in process, asked for with `ignore_eos`, so the
+    server writes the same answers); tok/s and the ratio to the run without drafts."""
     import asyncio
     import importlib.util
     from argparse import Namespace
@@ -170,8 +172,9 @@ def through_server(args, ids: list[int]) -> None:
     bench_serve = sys.modules["bench_serve"] = importlib.util.module_from_spec(loaded)  # not `serve`: the server's
     loaded.loader.exec_module(bench_serve)
     counts = [int(x) for x in args.slots.split(",")]
-    base: dict[int, float] = {}
-    print(f"\nthrough strata serve (streaming clients, the repeat prompt, {args.tokens} tokens each):")
+    base: dict[object, float] = {}
+    print(f"\nthrough strata serve (streaming clients; the repeat prompt, {args.tokens} tokens each, n at once; the "
+          f"{len(chat)} chat prompts one at a time):")
     for value in [None, *args.spec.split(",")]:
         flags = Namespace(device="cpu", dtype=args.dtype, batch=max(counts), max_cells=args.max_cells,
                           max_window_tokens=None, paced_engine=None, spec=value)
@@ -179,16 +182,25 @@ def through_server(args, ids: list[int]) -> None:
         try:
             server.wait_healthy()
             asyncio.run(bench_serve.one_request(server.url, ids, 4))  # the clients' first connection, warmed
+            results = []
             for n in counts:
                 streams = asyncio.run(bench_serve.wave(server.url, [ids] * n, args.tokens))
+                results.append((f"repeat, {n} streams", n, streams))
+            if chat:
+                streams = [asyncio.run(bench_serve.one_request(server.url, p, length)) for p, length in chat]
+                results.append(("chat, 1 stream", "chat", streams))
+            for label, key, streams in results:
                 errors = [s.error for s in streams if s.error]
                 if errors:
                     raise SystemExit(f"--spec {value}: {errors[0]}")
-                span = max(s.end for s in streams) - min(s.chunks[0] for s in streams if s.chunks)
+                if key == "chat":  # one after another: each stream's own span
+                    span = sum(s.end - s.chunks[0] for s in streams if s.chunks)
+                else:
+                    span = max(s.end for s in streams) - min(s.chunks[0] for s in streams if s.chunks)
                 tok_s = sum(s.tokens - 1 for s in streams) / span
-                ratio = "" if value is None else f"  {tok_s / base[n]:.2f}x"
-                base.setdefault(n, tok_s)
-                print(f"  --spec {value or 'off':>8}, {n} streams: {tok_s:6.1f} tok/s{ratio}")
+                ratio = "" if value is None else f"  {tok_s / base[key]:.2f}x"
+                base.setdefault(key, tok_s)
+                print(f"  --spec {value or 'off':>8}, {label}: {tok_s:6.1f} tok/s{ratio}", flush=True)
         finally:
             server.stop()
 
@@ -263,7 +275,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{counts['accepted']:>8} / {counts['draft_tokens']:<8} {rate:>4.0%} {per_pos:>22}", flush=True)
     print("\nanswers with drafts equal those without: yes")
     if args.server:
-        through_server(args, tok.encode_chat([{"role": "user", "content": PROMPTS["repeat"]}]))
+        chat = [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT] if "chat" in args.prompts else []
+        answers = decode_set(plain, chat, 1, args.chat_tokens, tok.stop_ids)[0] if chat else []
+        through_server(args, tok.encode_chat([{"role": "user", "content": PROMPTS["repeat"]}]),
+                       [(p, len(a)) for p, a in zip(chat, answers)])
 
 
 if __name__ == "__main__":

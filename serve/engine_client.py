@@ -206,7 +206,7 @@ class EngineClient:
             self.ready.set()
         elif kind == "PARKED":
             self.metrics.set_parked(_field(words, 1), _field(words, 2), _field(words, 3), _field(words, 4),
-                                    _field(words, 5))
+                                    _field(words, 5), _field(words, 6), _field(words, 7))
         elif kind == "RESTORED" and len(words) >= 4:
             try:
                 self.metrics.restored(float(words[1]), words[3])

@@ -77,7 +77,8 @@ VLLM_METRICS = (
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
                  "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations",
-                 "parked_bytes", "parked_disk_conversations", "parked_disk_bytes")
+                 "parked_bytes", "parked_disk_conversations", "parked_disk_bytes", "parked_vram_conversations",
+                 "parked_vram_bytes")
 RESTORE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # seconds
 
 
@@ -248,7 +249,7 @@ class Metrics:
         self._running = self._waiting = 0
         self._slots_in_use: int | None = None  # None until set_load(): then the engine's count
         self._kv_cache_usage = 0.0
-        self._parked = (0, 0, 0, 0)  # conversations parked in the engine's host RAM, their bytes; the same on disk
+        self._parked = (0, 0, 0, 0, 0, 0)  # conversations parked in host RAM, their bytes; on disk; copies in VRAM
         self._reused_bytes = 0  # bytes re-parks did not copy again, all engines
         self._reused_seen = 0  # the running engine's last total of them
         # pooled layers' routed pairs, by where they ran (device: resident weights; uploaded: --pcie-frac), all engines
@@ -282,7 +283,7 @@ class Metrics:
                                           "Seconds to restore a parked conversation into a sequence, checks included",
                                           ["model_name", "engine", "tier"], buckets=RESTORE_BUCKETS,
                                           registry=self.registry)
-        for tier in ("ram", "disk"):
+        for tier in ("vram", "ram", "disk"):
             self._restore_seconds.labels(model_name, ENGINE_INDEX, tier)
         self.registry.register(_StrataCollector(self))
 
@@ -425,19 +426,19 @@ class Metrics:
             self._vllm["gpu_cache_usage_perc"].set(kv_cache_usage)
 
     def set_parked(self, conversations: int, nbytes: int, disk_conversations: int = 0, disk_bytes: int = 0,
-                   reused_bytes: int | None = None) -> None:
-        """The engine's parked conversations and the host RAM they take, and those in `--park-dir`'s files, and its
+                   reused_bytes: int | None = None, vram_conversations: int = 0, vram_bytes: int = 0) -> None:
+        """The engine's parked conversations and the host RAM they take, and those in `--park-dir`'s files, its
         running total of bytes that re-parks did not copy (its PARKED event; a total below the last one means a new
-        engine process, which counts from 0)."""
+        engine process, which counts from 0), and the copies in VRAM (`--park-vram-gb`) and their bytes."""
         with self._lock:
-            self._parked = (conversations, nbytes, disk_conversations, disk_bytes)
+            self._parked = (conversations, nbytes, disk_conversations, disk_bytes, vram_conversations, vram_bytes)
             if reused_bytes is not None:
                 last = self._reused_seen if reused_bytes >= self._reused_seen else 0
                 self._reused_bytes += reused_bytes - last
                 self._reused_seen = reused_bytes
 
     def restored(self, seconds: float, tier: str) -> None:
-        """A parked conversation restored from `tier` (ram or disk) in `seconds` (the engine's RESTORED event)."""
+        """A parked conversation restored from `tier` (vram, ram or disk) in `seconds` (the engine's RESTORED event)."""
         self._restore_seconds.labels(self.model_name, ENGINE_INDEX, tier).observe(seconds)
 
     def expert_pairs(self, on_device: int, on_cpu: int, pool_seconds: float = 0.0, pool_bytes: int = 0,
@@ -515,6 +516,8 @@ class Metrics:
                 "parked_bytes": self._parked[1],
                 "parked_disk_conversations": self._parked[2],
                 "parked_disk_bytes": self._parked[3],
+                "parked_vram_conversations": self._parked[4],
+                "parked_vram_bytes": self._parked[5],
                 "parked_reused_bytes_total": self._reused_bytes,
                 "expert_pairs": dict(self._expert_pairs),
                 "expert_pool": dict(self._expert_pool),

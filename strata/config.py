@@ -119,6 +119,11 @@ class EngineSettings(StrataSettings):
         None, description="GB of files in --park-dir, the least recently used deleted first (default 20, at most half "
         "the file system; 0: off)"
     )
+    park_vram_gb: float = Field(
+        0.0, description="on a GPU: GB of VRAM (on each GPU) where the conversations parked last are also copied, so "
+        "a follow-up is restored at the GPU's own speed instead of over the host link (reserved at start, beside the "
+        "model and --max-cells; host RAM keeps every parked conversation either way; 0: off)"
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="models with Gated DeltaNet layers: also keep their state every this many prompt tokens "
         "(host RAM: one GDN state each), besides the one kept before each prompt's last token, so a prompt that "
@@ -181,6 +186,16 @@ class EngineSettings(StrataSettings):
             raise PydanticCustomError("park_disk_gb", problem)
         return value
 
+    @field_validator("park_vram_gb")
+    @classmethod
+    def _park_vram_gb_fits(cls, value: float) -> float:
+        from strata.state.park_vram import park_vram_gb_problem
+
+        problem = park_vram_gb_problem(value)
+        if problem:
+            raise PydanticCustomError("park_vram_gb", problem)
+        return value
+
     def torch_device(self) -> torch.device:
         try:
             device = torch.device(self.device)
@@ -204,7 +219,7 @@ class EngineSettings(StrataSettings):
         return dict(layer_split=self.layer_split, split_device=self.split_device, batch_groups=self.batch_groups,
                     trim_stage_weights=self.trim_stage_weights, expert_budget_gb=budget, cpu_threads=self.cpu_threads,
                     expert_residency=self.expert_residency, pcie_frac=self.pcie_frac,
-                    dequantize_weights=self.dequantize_weights,
+                    dequantize_weights=self.dequantize_weights, park_vram_gb=self.park_vram_gb,
                     lookahead=self.lookahead, checkpoint_every=self.checkpoint_every, speculative=parse_spec(
                         self.spec, DEFAULT_SPEC_MAX_ACTIVE[self.torch_device().type]
                         if self.spec_max_active is None else self.spec_max_active))

@@ -227,14 +227,16 @@ def window(decode_rows: int, prompt_rows: int) -> str:
 
 
 def parked(conversations: int, num_bytes: int, disk_conversations: int = 0, disk_bytes: int = 0,
-           reused_bytes: int = 0) -> str:
-    """The parked conversations and their bytes: in host RAM, then in `--park-dir`'s files; and the bytes that
-    conversations parked again did not copy again (their restored image's cells), a running total."""
-    return f"PARKED {conversations} {num_bytes} {disk_conversations} {disk_bytes} {reused_bytes}"
+           reused_bytes: int = 0, vram_conversations: int = 0, vram_bytes: int = 0) -> str:
+    """The parked conversations and their bytes: in host RAM, then in `--park-dir`'s files; the bytes that
+    conversations parked again did not copy again (their restored image's cells), a running total; and the
+    conversations with a copy in VRAM (`--park-vram-gb`) and its bytes."""
+    return (f"PARKED {conversations} {num_bytes} {disk_conversations} {disk_bytes} {reused_bytes} "
+            f"{vram_conversations} {vram_bytes}")
 
 
 def restored(seconds: float, num_tokens: int, tier: str) -> str:
-    """A parked conversation was restored into a sequence (`num_tokens` positions, from `tier`: ram or disk), in
+    """A parked conversation was restored into a sequence (`num_tokens` positions, from `tier`: vram, ram or disk), in
     `seconds` from its admission's lookup to the device having it, checks included."""
     return f"RESTORED {seconds:.6f} {num_tokens} {tier}"
 

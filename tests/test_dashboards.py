@@ -112,6 +112,7 @@ def test_dashboards_show_what_the_issue_lists():
     assert "by (finished_reason)" in vllm
     for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "slots_in_use", "slots_total",
                  "parked_conversations", "parked_disk_conversations", "parked_bytes", "parked_disk_bytes",
+                 "parked_vram_conversations", "parked_vram_bytes",
                  "parked_restore_seconds_bucket", "pipeline_groups"):
         assert f"strata:{name}" in engine, name
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",

@@ -87,10 +87,12 @@ def _three_requests() -> tuple[Metrics, list[RequestRecord]]:
                  reused_bytes=1_000)  # its PARKED events: a running total of bytes re-parks did not copy
     m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000, reused_bytes=4_000)
     m.set_parked(conversations=2, nbytes=3_000_000, disk_conversations=5, disk_bytes=9_000_000,
-                 reused_bytes=500)  # a new engine process counts from 0: the counter goes on from 4,000
+                 reused_bytes=500, vram_conversations=1, vram_bytes=2_000_000)  # a new engine process counts from
+    # 0: the counter goes on from 4,000
     m.restored(0.004, "ram")  # its RESTORED events
     m.restored(0.03, "ram")
     m.restored(0.3, "disk")
+    m.restored(0.0015, "vram")
     m.spec_decode(drafts=1, draft_tokens=2, accepted=2)
     m.set_load(running=0, waiting=0, slots_in_use=0, kv_cache_usage=0.0)
     return m, [a, b, c]
@@ -215,7 +217,8 @@ def test_strata_facts_in_the_scrape(samples, three):
     facts = m.facts()
     for key in ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running", "requests_waiting",
                 "requests_total", "prompt_tokens_total", "generation_tokens_total", "kv_cache_usage",
-                "parked_conversations", "parked_bytes", "parked_disk_conversations", "parked_disk_bytes"):
+                "parked_conversations", "parked_bytes", "parked_disk_conversations", "parked_disk_bytes",
+                "parked_vram_conversations", "parked_vram_bytes"):
         (s,) = samples[f"strata:{key}"]
         assert s.labels["model_name"] == MODEL
         if key not in ("live_tok_s", "uptime_s"):
@@ -224,10 +227,12 @@ def test_strata_facts_in_the_scrape(samples, three):
     assert _value(samples, "strata:slots_total") == 4
     assert _value(samples, "strata:parked_conversations") == 2 and _value(samples, "strata:parked_bytes") == 3e6
     assert _value(samples, "strata:parked_disk_conversations") == 5 and _value(samples, "strata:parked_disk_bytes") == 9e6
+    assert _value(samples, "strata:parked_vram_conversations") == 1 and _value(samples, "strata:parked_vram_bytes") == 2e6
     assert _value(samples, "strata:parked_reused_bytes_total") == 4_500
     restores = {(s.labels["tier"], s.labels["le"]): s.value for s in samples["strata:parked_restore_seconds_bucket"]}
     assert restores[("ram", "0.005")] == 1 and restores[("ram", "0.05")] == 2 and restores[("ram", "+Inf")] == 2
     assert restores[("disk", "0.2")] == 0 and restores[("disk", "0.5")] == 1
+    assert restores[("vram", "0.001")] == 0 and restores[("vram", "0.002")] == 1
     for s in samples.get("strata:gpu_util", []):
         assert {"gpu", "model_name"} <= set(s.labels)
 
@@ -240,7 +245,8 @@ def test_json_facts(three):
         "model", "engine", "uptime_s", "live_tok_s", "slots_total", "slots_in_use", "requests_running",
         "requests_waiting", "requests_total", "requests_success", "prompt_tokens_total", "generation_tokens_total",
         "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations", "parked_bytes",
-        "parked_disk_conversations", "parked_disk_bytes", "parked_reused_bytes_total", "expert_pairs", "expert_pool",
+        "parked_disk_conversations", "parked_disk_bytes", "parked_vram_conversations", "parked_vram_bytes",
+        "parked_reused_bytes_total", "expert_pairs", "expert_pool",
         "gpu_util", "gpu_memory_used_bytes",
         "gpu_memory_total_bytes", "latency", "history", "engine_facts"}
     assert facts["model"] == MODEL and facts["engine"] == "strata"

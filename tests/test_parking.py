@@ -835,3 +835,83 @@ def test_the_disk_budget_holds_and_full_disks_never_fail_a_request(model, parked
         engine.parking.disk.flush(30)
     assert "the disk is full" in caplog.text and engine.parking.disk.write_failures >= 1
     assert park_files(folder) == [only]
+
+
+# copies in VRAM (--park-vram-gb): a first tier in front of host RAM; its logic runs on any device, the CPU here
+
+from strata.state.park_vram import VramTier  # noqa: E402
+
+
+def test_a_copy_in_vram_is_restored_first_and_exactly(spec):
+    """Parked with a VRAM tier, a conversation is restored from its copy there ("vram"), bit for bit; the copy is
+    released once restored. A tier too small for it still parks it in host RAM, restored from there."""
+    tokens = list(range(10, 30))
+    parked = filled(spec, tokens, seed=1)
+    for capacity, tier in ((10**8, "vram"), (1_000, "ram")):
+        lot = lot_for(spec, 10**9)
+        lot.vram = VramTier(capacity)
+        assert lot.park(filled(spec, tokens, seed=1))
+        assert (lot.vram.conversations, lot.vram.nbytes > 0) == ((1, True) if tier == "vram" else (0, False))
+        target = filled(spec, [7, 7, 7], seed=2)
+        snap = lot.best(tokens + [99])[1]
+        assert reuse_prefix(target, tokens + [99], [], lot) == len(tokens)
+        assert_same_state(target, parked)
+        assert lot.restores[-1][1:] == (len(tokens), tier) and lot.vram.copy_of(snap) is None
+
+
+def test_the_oldest_copies_in_vram_are_written_over_and_restore_from_ram(spec):
+    """A tier that holds two conversations' copies: parking a third writes over the oldest copy; that conversation
+    is still parked in host RAM and comes back from there, the others from VRAM, each exactly."""
+    convs = [[c * 20 + j for j in range(1, 21)] for c in range(3)]
+    size = Snapshot.region_bytes(filled(spec, convs[0], seed=0))
+    lot = lot_for(spec, 10**9)
+    lot.vram = VramTier(2 * size)
+    for c, ids in enumerate(convs):
+        lot.park(filled(spec, ids, seed=c))
+    assert lot.conversations == 3 and lot.vram.conversations == 2
+    for c, ids in enumerate(convs):
+        target = filled(spec, [], seed=9)
+        assert reuse_prefix(target, ids + [99], [], lot) == len(ids)
+        assert_same_state(target, filled(spec, ids, seed=c))
+        assert lot.restores[-1][2] == ("ram" if c == 0 else "vram")
+
+
+def test_a_changed_copy_in_vram_is_refused_and_the_prompt_read_again(spec, caplog):
+    """A byte changed in the VRAM copy: the checksum of what arrived differs, the restore is refused with a log
+    line, the sequence is reset (what it held was parked first) and nothing else is touched."""
+    tokens = list(range(10, 30))
+    lot = lot_for(spec, 10**9)
+    lot.vram = VramTier(10**8)
+    lot.park(filled(spec, tokens, seed=1))
+    (ring,) = lot.vram.rings.values()
+    ring.block[8] ^= 0x10
+    target = filled(spec, [7, 7, 7], seed=2)
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        assert reuse_prefix(target, tokens + [99], [], lot) == 0
+    assert "refused: its bytes changed" in caplog.text and lot.refused == 1
+    assert target.length == 0 and lot.best([7, 7, 7, 1])[0] == 3  # the sequence's own conversation was parked first
+
+
+def test_an_engine_answers_the_same_from_vram_copies(model):
+    """Through the scheduler: a conversation pushed out by two others comes back from its VRAM copy (RESTORED ...
+    vram), reads only its new tokens and answers as if it had stayed; PARKED reports the copies."""
+    engine = engine_with(model, park_gb=0.05)
+    engine.parking.vram = VramTier(20 << 20)
+    driver = Driver(engine, 2)
+    turn2, answer, reused = two_turns_with_others_between(driver)
+    assert reused == len(turn2) - 5 - 1
+    (restored,) = [line.split() for line in driver.out if line.startswith("RESTORED ")]
+    assert restored[2:] == [str(reused), "vram"]
+    assert any(len(line.split()) == 8 and line.split()[6] != "0" for line in driver.out if line.startswith("PARKED "))
+    stayed = Driver(engine_with(model, park_gb=0), 2)
+    stayed.run(conversation(0))
+    assert stayed.run(turn2)[0] == answer
+
+
+def test_park_vram_gb_is_refused_where_it_cannot_work(model):
+    with pytest.raises(StrataError, match=r"--park-vram-gb 1: copies in VRAM need the engine on a GPU"):
+        engine_with(model, park_gb=0.05, park_vram_gb=1)
+    with pytest.raises(ValidationError, match="not a size"):
+        EngineSettings(park_vram_gb=-1)
+    with pytest.raises(ValidationError, match="not a size"):
+        EngineSettings(park_vram_gb=float("nan"))

@@ -25,7 +25,8 @@ from strata.runtime.stages import Pipeline, Stage, plan_stages
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.window import Window
 from strata.state.park_disk import open_park_dir
-from strata.state.parking import ParkingLot, model_fingerprint, park_budget, reuse_prefix
+from strata.state.parking import GB, ParkingLot, model_fingerprint, park_budget, reuse_prefix
+from strata.state.park_vram import VramTier, park_vram_gb_problem
 from strata.state.session import SessionState, StatePool
 
 if TYPE_CHECKING:
@@ -50,11 +51,14 @@ class Engine:
                  trim_stage_weights: bool = False, expert_budget_gb: list[float] | None = None, cpu_threads: int | None = None,
                  park_gb: float | None = None, lookahead: int | None = None, speculative: SpeculativeConfig | None = None,
                  checkpoint_every: int | None = None, park_dir: str | None = None, park_disk_gb: float | None = None,
-                 expert_residency: str = "fixed", pcie_frac: float = 0.0, dequantize_weights: bool = False):
+                 expert_residency: str = "fixed", pcie_frac: float = 0.0, dequantize_weights: bool = False,
+                 park_vram_gb: float = 0.0):
         """Load `files` (stage by stage with `layer_split`); or, for benchmarks, run given `spec` + `weights`.
         `park_gb`: host RAM for parked conversations (`strata.state.parking.park_budget`; 0 turns parking off).
         `park_dir`, `park_disk_gb`: a folder where they are also written, and its budget (`strata.state.park_disk`;
         None: no disk tier), found again by a later engine.
+        `park_vram_gb`: on a GPU, GB of VRAM per GPU where the conversations parked last are also kept, restored
+        from there first (`strata.state.park_vram`; 0: none).
         `checkpoint_every`: with GDN layers, also keep their state every this many prompt tokens (`Slots`; the
         state before each prompt's last token is always kept); None turns checkpoints off.
         `pcie_frac`: the share of each CPU pool's experts whose pairs the device computes after uploading their
@@ -95,6 +99,15 @@ class Engine:
                                                                 files.checkpoint.path if files is not None else None))
         self.parking.disk = open_park_dir(park_dir, park_disk_gb, self.parking.fingerprint,
                                           pinned=self.device.type == "cuda")
+        problem = park_vram_gb_problem(park_vram_gb)
+        if problem is None and park_vram_gb and self.device.type != "cuda":
+            problem = "copies in VRAM need the engine on a GPU (--device cuda); on the CPU give 0"
+        if problem is None and park_vram_gb and not self.parking.budget:
+            problem = "the copies in VRAM are of conversations parked in host RAM, and --park-gb is 0"
+        if problem:
+            raise StrataError(f"--park-vram-gb {park_vram_gb:g}: {problem}")
+        if park_vram_gb:
+            self.parking.vram = VramTier(int(park_vram_gb * GB))
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels

@@ -42,7 +42,7 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()  # arrival order
         self.owner: list[str | None] = [None] * num_slots  # the request each slot runs
         self.running: dict[str, int] = {}  # request id -> slot
-        self._parked = (0, 0, 0, 0, 0)  # the conversations and bytes (RAM, disk) the last PARKED event reported
+        self._parked = (0, 0, 0, 0, 0, 0, 0)  # the conversations and bytes (RAM, disk, VRAM) the last PARKED reported
         self._pools = [p for stage in engine.stages for p in stage.forward.pools.values()]  # CPU expert pools
         self._expert_pairs = (0, 0)  # the (device, CPU) pair counts the last EXPERTS event reported
         self._experts_said = 0.0  # when (time.monotonic) that was
@@ -235,8 +235,9 @@ class Scheduler:
             self.emit(protocol.restored(seconds, num_tokens, tier))
         lot.restores.clear()
         disk = (lot.disk.conversations, lot.disk.nbytes) if lot.disk is not None else (0, 0)
-        if (lot.conversations, lot.nbytes, *disk, lot.reused_bytes) != self._parked:
-            self._parked = (lot.conversations, lot.nbytes, *disk, lot.reused_bytes)
+        vram = (lot.vram.conversations, lot.vram.nbytes) if lot.vram is not None else (0, 0)
+        if (lot.conversations, lot.nbytes, *disk, lot.reused_bytes, *vram) != self._parked:
+            self._parked = (lot.conversations, lot.nbytes, *disk, lot.reused_bytes, *vram)
             self.emit(protocol.parked(*self._parked))
 
 

@@ -170,6 +170,8 @@ def warm_up(slots: Slots, progress: Callable[[int, str], None] | None = None,
         return time.perf_counter() - start
     engine.parking.clear()
     engine.parking.ring.reserve(pinned=device.type == "cuda")  # parking's host memory, pinned once, here
+    if engine.parking.vram is not None:  # --park-vram-gb: its block on each GPU (a size that does not fit stops here)
+        engine.parking.vram.reserve({stage.device for stage in engine.stages})
     phases["parking memory"] = time.perf_counter() - mark
     took = time.perf_counter() - start
     log.info("warm-up: %d decode graphs, %d prompt chunk sizes, the sampler and %d request rounds in %.1f s (%s)",

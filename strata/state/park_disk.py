@@ -271,13 +271,13 @@ class DiskSnapshot(Snapshot):
             return str(self.failure)
         return super().problem(state, fingerprint)
 
-    def restore(self, state, length: int, fingerprint: str = "") -> None:
+    def restore(self, state, length: int, fingerprint: str = "", device_copy=None) -> None:
         problem = self.problem(state, fingerprint)
         if problem:  # damaged when it could not be read; else intact, but not for these sequences
             damaged = self.failure is None or self.failure.damaged
             raise SnapshotRefused(self._refuse(problem, damaged))
         try:
-            super().restore(state, length, fingerprint)
+            super().restore(state, length, fingerprint, device_copy)
         except SnapshotRefused as e:
             raise SnapshotRefused(self._refuse(str(e), True)) from None
 

@@ -449,32 +449,42 @@ class Snapshot:
         return None
 
     @torch.inference_mode()
-    def restore(self, state: SessionState, length: int, fingerprint: str = "") -> None:
+    def restore(self, state: SessionState, length: int, fingerprint: str = "",
+                device_copy: dict[str, dict[int, torch.Tensor]] | None = None) -> None:
         """Make `state` hold this conversation's first `length` positions (all of them with GDN layers). Checked
         first (`problem`: nothing written when it fails) and after the copy (the checksum of what arrived: `state`
         is reset when it differs); either raises SnapshotRefused. Every parked cell is copied back, so the check
-        covers them all (cells past `length` are never read)."""
+        covers them all (cells past `length` are never read). `device_copy`: the conversation's copy in VRAM
+        (`strata.state.park_vram`), read instead of the host image."""
         if state.conv and length != self.length and length not in self.checkpoints:
             raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions or a checkpoint's "
                              f"({sorted(self.checkpoints) or 'none'}), not {length}")
         problem = self.problem(state, fingerprint)
         if problem:
             raise SnapshotRefused(problem)
-        self.wait()
         n = self.length
-        pieces = self.pieces()
-        for img, _, _ in pieces:
-            img.wait()
         arrived = RunningChecksum()  # each tensor summed as soon as its copies are done, beside the next copies
-        for kind, cells in (("k", state.k), ("v", state.v)):
-            for i, t in cells.items():
-                for img, a, b in pieces:
-                    t[a:b].copy_(getattr(img, kind)[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
-                arrived.add(t[:n])
+        if device_copy is not None:  # device to device, ordered after the copies that made it (the same stream)
+            for kind, cells in (("k", state.k), ("v", state.v)):
+                for i, t in cells.items():
+                    t[:n].copy_(device_copy[kind][i], non_blocking=True)
+                    arrived.add(t[:n])
+            gdn = device_copy["conv"], device_copy["recurrent"]
+        else:
+            self.wait()
+            pieces = self.pieces()
+            for img, _, _ in pieces:
+                img.wait()
+            for kind, cells in (("k", state.k), ("v", state.v)):
+                for i, t in cells.items():
+                    for img, a, b in pieces:
+                        t[a:b].copy_(getattr(img, kind)[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
+                    arrived.add(t[:n])
+            gdn = self.conv, self.recurrent
         for i in state.conv:
-            state.conv[i].copy_(self.conv[i], non_blocking=True)
+            state.conv[i].copy_(gdn[0][i], non_blocking=True)
             arrived.add(state.conv[i])
-            state.recurrent[i].copy_(self.recurrent[i], non_blocking=True)
+            state.recurrent[i].copy_(gdn[1][i], non_blocking=True)
             arrived.add(state.recurrent[i])
         state.length, state.tokens = n, list(self.tokens)
         arrived = arrived.value()  # waits for the copies
@@ -510,6 +520,7 @@ class ParkingLot:
         self._intact: dict[int, Snapshot] = {}
         self.reused_bytes = 0  # bytes that re-parks did not copy again (running total)
         self.disk = disk
+        self.vram = None  # with --park-vram-gb: copies in spare VRAM, restored first (`strata.state.park_vram`)
 
     @property
     def conversations(self) -> int:
@@ -550,6 +561,8 @@ class ParkingLot:
             if any(_overlap(new, r) for r in snap.regions()):
                 del self._intact[key]
         snap = Snapshot.of(state, self.ring, offset, self.fingerprint, base, shared)
+        if self.vram is not None:
+            self.vram.keep(snap, state, avoid)
         self._snapshots[next(self._keys)] = snap
         self.nbytes += snap.nbytes
         if base is not None:
@@ -587,7 +600,7 @@ class ParkingLot:
         file's snapshot is read into host memory here (its file stays, now the most recently used)."""
         for key, snap in self._snapshots.items():
             if snap is snapshot:
-                self._drop(key)
+                self._drop(key, taken=True)
                 break
         if self.disk is not None:
             self.disk.take(snapshot)
@@ -596,12 +609,16 @@ class ParkingLot:
         for key in list(self._snapshots):
             self._drop(key, intact=False)
         self._intact.clear()
+        if self.vram is not None:
+            self.vram.clear()
 
-    def _drop(self, key: int, intact: bool = True) -> None:
+    def _drop(self, key: int, intact: bool = True, taken: bool = False) -> None:
         """Take a snapshot out of the lot; `intact`: its ring bytes stay as they are for now (taken, or replaced
         by a later turn), so a sequence restored from it may still extend it."""
         snap = self._snapshots.pop(key)
         self.nbytes -= snap.nbytes
+        if self.vram is not None and not taken:  # its copy in VRAM goes too, unless a restore is about to read it
+            self.vram.release(snap)
         if intact and snap.where == "ram":
             self._intact[id(snap)] = snap
         if self.disk is not None:
@@ -633,15 +650,19 @@ def reuse_prefix(state: SessionState, prompt: Sequence[int], idle: Iterable[Sess
     if source is state:
         state.truncate(count)
     elif isinstance(source, Snapshot):
+        copy = lot.vram.copy_of(source) if lot.vram is not None else None
         try:
-            source.restore(state, count, lot.fingerprint)  # its checksum waits for the copies
-            lot.restores.append((time.perf_counter() - started, count, source.where))
+            source.restore(state, count, lot.fingerprint, copy)  # its checksum waits for the copies
+            lot.restores.append((time.perf_counter() - started, count, "vram" if copy is not None else source.where))
         except SnapshotRefused as e:
             lot.refused += 1
             log.warning("a parked conversation of %d tokens was refused: %s; its prompt (%d tokens) is read again",
                         source.length, e, len(prompt))
             state.reset()
             return 0
+        finally:
+            if copy is not None:  # the conversation is in a sequence now (or refused): its copy's regions are free
+                lot.vram.release(source)
     else:
         state.copy_from(source, count)
     return count
