@@ -33,6 +33,14 @@ def park_vram_gb_problem(park_vram_gb: float) -> str | None:
     return None
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """`cuda` as the `cuda:N` its tensors report (the blocks are found by their tensors' devices)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class VramCopy:
     """One parked conversation's state as a GPU holds it: per kind ("k", "v", "conv", "recurrent") and layer, a
     tensor in its device's block; `regions`: (offset, bytes) taken in each device's block."""
@@ -67,7 +75,7 @@ class VramTier:
         """Take the block on each GPU now (the engine's warm-up does it), so a size the GPU cannot hold beside the
         model is refused at start."""
         for device in devices:
-            device = torch.device(device)
+            device = _indexed(device)
             if device in self.rings or not self.capacity:
                 continue
             ring = HostRing(self.capacity)
