@@ -43,11 +43,37 @@ def _indexed(device: torch.device | str) -> torch.device:
 
 class VramCopy:
     """One parked conversation's state as a GPU holds it: per kind ("k", "v", "conv", "recurrent") and layer, a
-    tensor in its device's block; `regions`: (offset, bytes) taken in each device's block."""
+    tensor in its device's block; `regions`: (offset, bytes) taken in each device's block, and `bytes`: those
+    regions, whose sums (of their 32-bit words) are taken as the copies are made and again when they are restored:
+    one pass over each region instead of one per tensor."""
 
     def __init__(self, tensors: dict[str, dict[int, torch.Tensor]], regions: dict[torch.device, tuple[int, int]],
-                 nbytes: int):
+                 nbytes: int, blocks: dict[torch.device, torch.Tensor]):
         self.tensors, self.regions, self.nbytes = tensors, regions, nbytes
+        self.bytes = {d: blocks[d][offset : offset + size] for d, (offset, size) in regions.items()}
+        self.sums = self._sums()  # queued after the copies, on the same stream
+
+    def _sums(self) -> dict[torch.device, torch.Tensor]:
+        return {d: b.view(torch.int32).sum(dtype=torch.int64) for d, b in self.bytes.items()}
+
+    def changed(self) -> str | None:
+        """Why the copy is not what was kept (its regions' sums differ), None when it is; waits for the device."""
+        now = self._sums()
+        for d, total in now.items():
+            if int(total) != int(self.sums[d]):
+                return f"checksum {int(total):#x} of its copy in VRAM on {d}, kept {int(self.sums[d]):#x}"
+        return None
+
+    def pairs(self, state: SessionState, length: int) -> dict[torch.device, tuple[list, list]]:
+        """The state's tensors to write and this copy's tensors to read, by device (the K/V cells [0, length))."""
+        out: dict[torch.device, tuple[list, list]] = {}
+        for kind, layers in zip(KINDS, (state.k, state.v, state.conv, state.recurrent)):
+            for i, t in layers.items():
+                dst = t[:length] if kind in ("k", "v") else t
+                group = out.setdefault(dst.device, ([], []))
+                group[0].append(dst)
+                group[1].append(self.tensors[kind][i])
+        return out
 
 
 class VramTier:
@@ -122,13 +148,14 @@ class VramTier:
                     view.copy_(t, non_blocking=True)
                     at[t.device] += _aligned(t.numel() * t.element_size())
                     tensors[kind][i] = view
-        self._copies[id(snapshot)] = (snapshot, VramCopy(tensors, regions, sum(sizes.values())))
+        blocks = {d: self.rings[d].block for d in regions}
+        self._copies[id(snapshot)] = (snapshot, VramCopy(tensors, regions, sum(sizes.values()), blocks))
         return True
 
-    def copy_of(self, snapshot: Snapshot) -> dict[str, dict[int, torch.Tensor]] | None:
-        """`snapshot`'s copy in VRAM (per kind and layer), None when it has none (any more)."""
+    def copy_of(self, snapshot: Snapshot) -> VramCopy | None:
+        """`snapshot`'s copy in VRAM, None when it has none (any more)."""
         found = self._copies.get(id(snapshot))
-        return found[1].tensors if found is not None and found[0] is snapshot else None
+        return found[1] if found is not None and found[0] is snapshot else None
 
     def release(self, snapshot: Snapshot) -> None:
         """Forget `snapshot`'s copy (restored into a sequence, or no longer parked): its regions may be written."""

@@ -39,12 +39,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from strata.errors import StrataError
 from strata.state.session import SessionState
+
+if TYPE_CHECKING:
+    from strata.state.park_vram import VramCopy
 
 log = logging.getLogger("strata.engine")
 GB = 1e9
@@ -450,12 +453,13 @@ class Snapshot:
 
     @torch.inference_mode()
     def restore(self, state: SessionState, length: int, fingerprint: str = "",
-                device_copy: dict[str, dict[int, torch.Tensor]] | None = None) -> None:
+                device_copy: "VramCopy | None" = None) -> None:
         """Make `state` hold this conversation's first `length` positions (all of them with GDN layers). Checked
         first (`problem`: nothing written when it fails) and after the copy (the checksum of what arrived: `state`
         is reset when it differs); either raises SnapshotRefused. Every parked cell is copied back, so the check
         covers them all (cells past `length` are never read). `device_copy`: the conversation's copy in VRAM
-        (`strata.state.park_vram`), read instead of the host image."""
+        (`strata.state.park_vram.VramCopy`), read instead of the host image: all its tensors in one multi-tensor copy
+        a device, and its regions summed again (one pass each) against their sums when it was made."""
         if state.conv and length != self.length and length not in self.checkpoints:
             raise ValueError(f"a GDN state cannot be cut: restore all {self.length} positions or a checkpoint's "
                              f"({sorted(self.checkpoints) or 'none'}), not {length}")
@@ -463,28 +467,36 @@ class Snapshot:
         if problem:
             raise SnapshotRefused(problem)
         n = self.length
-        arrived = RunningChecksum()  # each tensor summed as soon as its copies are done, beside the next copies
         if device_copy is not None:  # device to device, ordered after the copies that made it (the same stream)
-            for kind, cells in (("k", state.k), ("v", state.v)):
-                for i, t in cells.items():
-                    t[:n].copy_(device_copy[kind][i], non_blocking=True)
-                    arrived.add(t[:n])
-            gdn = device_copy["conv"], device_copy["recurrent"]
+            for dst, src in device_copy.pairs(state, n).values():
+                torch._foreach_copy_(dst, src, non_blocking=True)
+            state.length, state.tokens = n, list(self.tokens)
+            changed = device_copy.changed()  # its regions summed again after the copies: waits for them
+            if changed:
+                state.reset()
+                raise SnapshotRefused(f"its bytes changed since it was parked ({changed})")
         else:
-            self.wait()
-            pieces = self.pieces()
-            for img, _, _ in pieces:
-                img.wait()
-            for kind, cells in (("k", state.k), ("v", state.v)):
-                for i, t in cells.items():
-                    for img, a, b in pieces:
-                        t[a:b].copy_(getattr(img, kind)[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
-                    arrived.add(t[:n])
-            gdn = self.conv, self.recurrent
+            self._restore_from_host(state, n)
+        state.checkpoints = dict(self.checkpoints)
+        state.origin = (self, n)
+        state.truncate(length)  # with GDN layers: back to the checkpoint at `length`
+
+    def _restore_from_host(self, state: SessionState, n: int) -> None:
+        """Copy the host image (and its bases' cells) into `state`, checking the checksum of what arrived."""
+        self.wait()
+        pieces = self.pieces()
+        for img, _, _ in pieces:
+            img.wait()
+        arrived = RunningChecksum()  # each tensor summed as soon as its copies are done, beside the next copies
+        for kind, cells in (("k", state.k), ("v", state.v)):
+            for i, t in cells.items():
+                for img, a, b in pieces:
+                    t[a:b].copy_(getattr(img, kind)[i][a - img.base_cells : b - img.base_cells], non_blocking=True)
+                arrived.add(t[:n])
         for i in state.conv:
-            state.conv[i].copy_(gdn[0][i], non_blocking=True)
+            state.conv[i].copy_(self.conv[i], non_blocking=True)
             arrived.add(state.conv[i])
-            state.recurrent[i].copy_(gdn[1][i], non_blocking=True)
+            state.recurrent[i].copy_(self.recurrent[i], non_blocking=True)
             arrived.add(state.recurrent[i])
         state.length, state.tokens = n, list(self.tokens)
         arrived = arrived.value()  # waits for the copies
@@ -492,9 +504,6 @@ class Snapshot:
             state.reset()
             raise SnapshotRefused(f"its bytes changed since it was parked (checksum {arrived:#x}, parked "
                                   f"{int(self.sum):#x})")
-        state.checkpoints = dict(self.checkpoints)
-        state.origin = (self, n)
-        state.truncate(length)  # with GDN layers: back to the checkpoint at `length`
 
 
 class ParkingLot:
