@@ -637,6 +637,10 @@ def alternate(model: str, args, vocab: int) -> None:
                 http[name] = s.ttft
 
         asyncio.run(turns())
+        # the server's own TTFT of each turn: its arrival to the engine's first token, text or not (a client sees
+        # the first token's text only once it decodes to whole characters: random weights' tokens often do not)
+        history = list(reversed(server.facts().get("history", [])[: len(http)]))  # newest first there
+        own = dict(zip([name for name, _ in order] + ["fresh"], (h.get("ttft_s") for h in history)))
     finally:
         server.stop()
     engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
@@ -650,10 +654,11 @@ def alternate(model: str, args, vocab: int) -> None:
         rid = driver.add(ids, answer)
         driver.step_until(lambda: rid in driver.ended)
         local[name] = driver.ttft(rid)
-    print(f"{'turn':>6} {'prompt':>7} {'HTTP TTFT ms':>12} {'engine TTFT ms':>14} {'HTTP/engine':>11} "
-          f"{'re-read/HTTP':>12}")
+    print(f"{'turn':>6} {'prompt':>7} {'HTTP TTFT ms':>12} {'server TTFT ms':>14} {'engine TTFT ms':>14} "
+          f"{'HTTP/engine':>11} {'re-read/HTTP':>12}")
     for name, ids in [*order, ("fresh", fresh)]:
-        print(f"{name:>6} {len(ids):>7} {http[name] * 1e3:>12.1f} {local[name] * 1e3:>14.1f} "
+        server_ms = f"{own[name] * 1e3:.1f}" if own.get(name) is not None else "-"
+        print(f"{name:>6} {len(ids):>7} {http[name] * 1e3:>12.1f} {server_ms:>14} {local[name] * 1e3:>14.1f} "
               f"{http[name] / local[name]:>10.2f}x {http['fresh'] / http[name]:>11.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "http_ttft_s": http, "engine_ttft_s": local},
