@@ -12,7 +12,6 @@ checksum of what arrives is compared with the one taken when the conversation wa
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -22,7 +21,6 @@ from strata.errors import StrataError
 from strata.state.parking import GB, HostRing, Snapshot, _aligned, _overlap
 from strata.state.session import SessionState
 
-log = logging.getLogger("strata.engine")
 KINDS = ("k", "v", "conv", "recurrent")
 
 
