@@ -33,10 +33,11 @@ _blocks: dict[torch.dtype, int] = {}
 log = logging.getLogger("strata.engine")
 
 
-def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int = 5) -> tuple[int, dict[int, float]]:
+def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int = 7) -> tuple[int, dict[int, float]]:
     """(the block, {rows: seconds}): the CPU stage's product (oneDNN's over blocked weights where `onednn.available`,
     else F.linear) over a [N, 1024] weight of about `nbytes`, each row count timed
-    `repeats` times over a fresh pass (best kept), the weights walked in four parts so no part stays cached."""
+    `repeats` times over a fresh pass, the counts in turn (best kept), the weights walked in four parts so no part
+    stays cached."""
     from strata.kernels import onednn
 
     k = 1024
@@ -45,18 +46,17 @@ def measure_row_block(dtype: torch.dtype, nbytes: int = 48 << 20, repeats: int =
     product = F.linear
     if onednn.available(dtype):  # the products a CPU stage runs (`strata.kernels.onednn`)
         parts, product = [onednn.block(w) for w in parts], onednn.linear
-    times = {}
-    for rows in CANDIDATES:
-        x = torch.randn(rows, k, dtype=dtype)
-        for w in parts:  # warm the code path
+    inputs = {rows: torch.randn(rows, k, dtype=dtype) for rows in CANDIDATES}
+    for x in inputs.values():
+        for w in parts:  # warm the code paths
             product(x, w)
-        best = float("inf")
-        for _ in range(repeats):
+    times = dict.fromkeys(CANDIDATES, float("inf"))
+    for _ in range(repeats):  # the row counts take turns, so a change of clock or load weighs on all of them alike
+        for rows, x in inputs.items():
             t = time.perf_counter()
             for w in parts:
                 product(x, w)
-            best = min(best, time.perf_counter() - t)
-        times[rows] = best
+            times[rows] = min(times[rows], time.perf_counter() - t)
     block = max(r for r in CANDIDATES if times[r] <= WITHIN * times[1])
     return block, times
 
