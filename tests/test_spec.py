@@ -359,10 +359,15 @@ def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp
 
 
 @pytest.mark.parametrize("mtp_model", ["llama-gqa-tied"], indirect=True)
-def test_a_paused_mtp_layer_catches_up_when_drafting_resumes(mtp_model):
+@pytest.mark.parametrize("cap", [512, 5])
+def test_a_paused_mtp_layer_catches_up_when_drafting_resumes(mtp_model, cap, monkeypatch):
     """--spec-max-active 1: while two conversations decode, no draft fits, so the MTP layer does not run at all
-    (its rows wait in the slots); once one has ended, the other drafts again from cells that read every row it
-    held: its drafts equal the reference's over the whole sequence, and the answers are unchanged."""
+    (its rows wait in the slots; with a cap of 5 rows a slot, they are read whenever more would wait); once one
+    has ended, the other drafts again from cells that read every row it held: its drafts equal the reference's
+    over the whole sequence, and the answers are unchanged."""
+    from strata.runtime import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "MTP_PENDING_ROWS", cap)
     folder, model, tensors = mtp_model
     files = ModelFiles.open(folder)
     plain = Engine(files, max_cells=128)
@@ -378,14 +383,20 @@ def test_a_paused_mtp_layer_catches_up_when_drafting_resumes(mtp_model):
     slots.admit(1, prompts[1], 24, stop_ids=NO_STOP)
     out: dict[int, list[int]] = {}
     seen = []
+    waiting = []
     while slots.active or slots.in_flight:
         for e in slots.step():
             out.setdefault(e.slot, []).append(e.token)
+        waiting += [sum(len(p[2]) for p in s.mtp_pending) for s in slots.slots]
         s = slots.slots[1]
         if s.active and s.mtp_drafts:
             seen.append((s.state.tokens + [s.next_token], list(s.mtp_drafts)))
     assert [out[0], out[1]] == [plain.generate(p, n, stop_ids=NO_STOP).ids for p, n in zip(prompts, (6, 24))]
-    assert calls and calls[0] == 1, calls  # no MTP pass while both were active
+    assert max(waiting) <= cap
+    if cap > 20:
+        assert calls and calls[0] == 1, calls  # no MTP pass while both were active
+    else:
+        assert 2 in calls  # the capped rows were read while both were active
     assert len(seen) >= 5 and all(d == reference.drafts(ids, len(d)) for ids, d in seen)
     assert slots.spec_counts["drafts"] >= 5
 

@@ -55,6 +55,11 @@ PROMPT_END_CHECKPOINT_MIN = 32  # prompt tokens read since the last GDN checkpoi
 SHORT_CHUNK_ROWS = 16
 
 
+# rows a slot's paused MTP layer keeps waiting, at most (`Slots._run_mtp`): 512 rows of a 2,048-wide model in
+# bfloat16 are 2 MB a slot
+MTP_PENDING_ROWS = 512
+
+
 @dataclass
 class Slot:
     state: SessionState
@@ -694,7 +699,9 @@ class Slots:
         While the next window can take no drafts at all (more slots active than `max_active`, or no free rows in
         the CPU's block), the MTP layer does not run: each slot keeps its rows' hidden states and next tokens
         (`Slot.mtp_pending`, a few KB a row) and the first window that may draft again reads them with its own rows
-        in one pass, so the cells are those of a layer that never paused and a paused layer costs nothing."""
+        in one pass, so the cells are those of a layer that never paused and a paused layer costs nothing. A slot
+        whose waiting rows would pass `MTP_PENDING_ROWS` has them read now (one pass, no drafts), which bounds
+        their memory on a busy engine."""
         following = dict(zip(indices, tokens))  # a sampling slot's last kept token (the next it decodes)
         for i in sw.spans:
             self.slots[i].mtp_drafts = []
@@ -715,7 +722,7 @@ class Slots:
             pending = slot.mtp_pending
             if pending and pending[-1][0] + len(pending[-1][2]) != first_pos:
                 pending.clear()  # not the rows just before these (cannot happen while the slot keeps its sequence)
-            if room <= 0:
+            if room <= 0 and sum(len(p[2]) for p in pending) + n <= MTP_PENDING_ROWS:
                 pending.append((first_pos, rows[1].clone(), rows[2]))
                 continue
             parts = pending + [rows]
