@@ -109,11 +109,17 @@ def check_packed(shape: str, layers: int, fmt: str, device: str) -> str:
     dequantized weights in float32 (the reference), and so on (see the module)."""
     model = hf_model(shape, layers, device)
     prompt = [(3 + 7919 * j) % model.config.vocab_size for j in range(64)]
-    run = lambda e: e.run(e.new_state(), prompt, all_logits=True).float()  # noqa: E731
-    packed = run(strata_engine(model, device, weights=fmt))
-    written = run(strata_engine(model, device, weights=fmt, dequantize=True))
-    reference = run(strata_engine(model, device, weights=fmt, dtype=torch.float32, dequantize=True))
-    original = run(strata_engine(model.float(), device, dtype=torch.float32))
+
+    def run(e):  # the prompt window's logits, and 8 one-row decode windows' after a 56-token prompt
+        read = e.run(e.new_state(), prompt, all_logits=True).float()
+        state = e.new_state()
+        e.run(state, prompt[:-8])
+        return read, torch.stack([e.run(state, [t]).float().reshape(-1) for t in prompt[-8:]])
+
+    (packed, packed_steps), (written, written_steps) = (run(strata_engine(model, device, weights=fmt)),
+                                                        run(strata_engine(model, device, weights=fmt, dequantize=True)))
+    reference, reference_steps = run(strata_engine(model, device, weights=fmt, dtype=torch.float32, dequantize=True))
+    original, _ = run(strata_engine(model.float(), device, dtype=torch.float32))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     agree = lambda a, b: (a.argmax(-1) == b.argmax(-1)).float().mean().item()  # noqa: E731
     del model
@@ -121,6 +127,9 @@ def check_packed(shape: str, layers: int, fmt: str, device: str) -> str:
     return (f"{fmt} on {layers} layers, one 64-token prompt window: packed bf16 vs the dequantized float32 "
             f"reference: relative error {rel(packed, reference):.2e}, argmax agrees at {agree(packed, reference):.0%}; "
             f"packed == dequantized at load (bf16) bitwise: {'yes' if torch.equal(packed, written) else 'NO'}; "
+            f"8 one-row decode windows: packed vs the reference {rel(packed_steps, reference_steps):.2e} (dequantized "
+            f"at load, bf16: {rel(written_steps, reference_steps):.2e}), argmax agrees at "
+            f"{agree(packed_steps, reference_steps):.0%}; "
             f"the quantization itself (float32, dequantized vs original weights): relative error "
             f"{rel(reference, original):.2e}, argmax agrees at {agree(reference, original):.0%}")
 

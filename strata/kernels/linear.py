@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import SplitSum, finish, sum_chunks
-from strata.kernels.packed import grid_words, packed_tile
+from strata.kernels.packed import grid_words, packed_mm, packed_tile, scaled_after
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -95,20 +95,24 @@ def linear_kernel(
     p_wk = p_w + o_n.to(tl.int64)[None, :] * stride_wn + (k0 + o_k)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     # tl.full and // rather than tl.zeros / tl.cdiv (jit helpers that break the interpreter when triton
     # was imported before TRITON_INTERPRET was set)
-    b_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     k_end = tl.minimum(K - k0, K_CHUNK)
-    for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):
-        m_k = o_k < k_end - i_k * BLOCK_K
-        b_x = tl.load(p_xk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if FMT == 0:
-            b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        else:
-            b_w = tl.trans(packed_tile(p_w, o_n.to(tl.int64), m_n, k0 + i_k * BLOCK_K, K, stride_wn, p_grid, FMT,
-                                       BLOCK_K))
-            b_w = tl.where(m_k[:, None], b_w, 0.0).to(p_x.dtype.element_ty)
-        b_acc = tl.dot(b_x, b_w, b_acc, input_precision=INPUT_PRECISION)
-        p_xk += BLOCK_K * stride_xk
-        p_wk += BLOCK_K * stride_wk
+    if scaled_after(FMT, BLOCK_M):
+        b_acc = packed_mm(p_x + o_m.to(tl.int64) * stride_xm, m_m, p_w + o_n.to(tl.int64) * stride_wn, m_n, k0,
+                          k0 + k_end, K, FMT, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        b_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):
+            m_k = o_k < k_end - i_k * BLOCK_K
+            b_x = tl.load(p_xk, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            if FMT == 0:
+                b_w = tl.load(p_wk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            else:
+                b_w = tl.trans(packed_tile(p_w, o_n.to(tl.int64), m_n, k0 + i_k * BLOCK_K, K, stride_wn, p_grid, FMT,
+                                           BLOCK_K))
+                b_w = tl.where(m_k[:, None], b_w, 0.0).to(p_x.dtype.element_ty)
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision=INPUT_PRECISION)
+            p_xk += BLOCK_K * stride_xk
+            p_wk += BLOCK_K * stride_wk
     m_o = m_m[:, None] & m_n[None, :]
     if PARTIAL:
         p_p = p_out + i_s.to(tl.int64) * M * N + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
@@ -170,6 +174,8 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M), split)
     packed = isinstance(weight, PackedWeight)
     w = weight.data.contiguous() if packed else weight
+    if packed and x.stride(1) != 1:  # `packed_mm` reads rows of x as runs of columns
+        x = x.contiguous()
     linear_kernel[grid](
         x, w, bias if bias is not None else x, out, grid_words(weight),
         m, n, k, k // split if split > 1 else k,

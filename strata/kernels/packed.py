@@ -12,6 +12,8 @@ torch's GEMMs (a prompt window's arithmetic, not its weight reads, bounds it; th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -105,27 +107,170 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT: tl.constexpr, BLOCK_K:
         G: tl.constexpr = BLOCK_K // TG
         o_run = k0 + tl.arange(0, G) * TG
         m = m_n[:, None] & (o_run < K)[None, :]
-        o_j = tl.arange(0, TG)[None, None, :]  # a column's place in its run
-        b_b = _load3(p_r, m_n, k0 // 2, TG // 2, K // 2, G, TG // 2)  # the low four bits, two columns a byte
-        b_c = tl.interleave(b_b & 15, b_b >> 4).to(tl.int32)  # [BN, G, TG]
+        b_c = _codes(p_w + o_n * s_row, m_n[:, None, None], k0, K, FMT, G, TG, tl.float32)  # [BN, G, TG] codes
         o_sup = o_run // 256  # each run's super-block
         if FMT == 5:  # q6_k: codes [K/2] | top bits [K/4] | d f16 [K/256] | scales i8 [K/16]
-            b_hi = _word(p_r, K // 2 + o_run // 4, m)  # a run's 16 columns' top two bits: one word
-            b_c = b_c | (((b_hi[:, :, None] >> (o_j * 2)) & 3) << 4)
             d = _half(_field(p_r, K // 2 + K // 4 + o_sup * 2, m, 2))
             sc = _field(p_r, K // 2 + K // 4 + K // 128 + o_run // 16, m, 1).to(tl.int8).to(tl.float32)
-            w = (d * sc)[:, :, None] * _exact_float(b_c - 32, 32)
+            w = (d * sc)[:, :, None] * (b_c - 32.0)
         else:  # q4_k, q5_k: codes [K/2] | (d, dmin) f16 [K/256, 2] | (scale, min) u8 [K/32, 2] | fifth bits [K/8]
-            if FMT == 4:
-                b_hi = _word(p_r, K // 2 + K // 64 + K // 16 + o_run // 8, m)  # a run's 32 fifth bits: one word
-                b_c = b_c | (((b_hi[:, :, None] >> o_j) & 1) << 4)
             d = _half(_field(p_r, K // 2 + o_sup * 4, m, 2))
             dmin = _half(_field(p_r, K // 2 + o_sup * 4 + 2, m, 2))
             o_g = K // 2 + K // 64 + (o_run // 32) * 2
             sc = _field(p_r, o_g, m, 1).to(tl.float32)
             mn = _field(p_r, o_g + 1, m, 1).to(tl.float32)
-            w = (d * sc)[:, :, None] * _exact_float(b_c, 0) - (dmin * mn)[:, :, None]
+            w = (d * sc)[:, :, None] * b_c - (dmin * mn)[:, :, None]
     return tl.reshape(w, [w.shape[0], BLOCK_K])  # masked columns and rows: 0 (their codes and scales load as 0)
+
+
+SCALED_AFTER = tl.constexpr(os.environ.get("STRATA_PACKED_EXACT", "") != "1")  # `scaled_after`'s switch (A/B runs)
+SCALED_AFTER_FORMATS = ("q4_k", "q5_k", "q6_k") if SCALED_AFTER else ()  # the formats `scaled_after` takes
+
+
+@triton.jit
+def scaled_after(FMT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Whether a decode tile of BLOCK_M rows over a weight of kernel format FMT takes its products by `packed_mm`
+    (q4_k, q5_k, q6_k, at the decode windows' 16 rows or fewer; with STRATA_PACKED_EXACT=1, never: every format's
+    tiles dequantized by `packed_tile`, bitwise the weight dequantized to the activations' dtype)."""
+    return SCALED_AFTER and FMT >= 3 and FMT <= 5 and BLOCK_M <= 16
+
+
+@triton.jit
+def _code_pair(W, F, j: tl.constexpr, FMT: tl.constexpr):
+    """int32 [..]: the codes of columns j and j + 4 of each code word (in its low and high 16 bits). W: 32-bit words
+    of the low four bits (word w: columns 8w .. 8w + 7, column c in bits 4c .. 4c + 3); F: the high bits of the same
+    columns as `_spread_high` gives them (unused for q4_k). A shift and a mask give two columns' codes at once."""
+    c = (W >> (4 * j)) & 0x000F000F
+    if FMT == 4:
+        c = c | (((F >> j) & 0x00010001) << 4)
+    if FMT == 5:
+        c = c | (((F >> (2 * j)) & 0x00030003) << 4)
+    return c
+
+
+@triton.jit
+def _spread_high(F, FMT: tl.constexpr):
+    """A code word's high bits (q5_k: a byte, bit c for column c; q6_k: 16 bits, bits 2c, 2c + 1) with columns 4..7
+    moved to the upper 16 bits, where `_code_pair` wants them."""
+    if FMT == 4:
+        F = (F & 0xF) | ((F & 0xF0) << 12)
+    if FMT == 5:
+        F = (F & 0xFF) | ((F & 0xFF00) << 8)
+    return F
+
+
+@triton.jit
+def _halves(c, DT: tl.constexpr):
+    """Two columns' codes (int32, low and high 16 bits) as DT values OFFSET + code (`_code_offset`): for the 16-bit
+    types the code is placed in the mantissa of OFFSET by an or, two columns at once; float32 exactly."""
+    if DT == tl.bfloat16:
+        c = c | 0x43004300  # 128 + code
+        return c.to(tl.int16).to(DT, bitcast=True), (c >> 16).to(tl.int16).to(DT, bitcast=True)
+    elif DT == tl.float16:
+        c = c | 0x64006400  # 1024 + code
+        return c.to(tl.int16).to(DT, bitcast=True), (c >> 16).to(tl.int16).to(DT, bitcast=True)
+    else:
+        return _exact_float(c & 0xFFFF, 0), _exact_float(c >> 16, 0)
+
+
+@triton.jit
+def _code_offset(DT: tl.constexpr):
+    if DT == tl.bfloat16:
+        return 128.0
+    elif DT == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, DT: tl.constexpr,
+           G_FIRST: tl.constexpr = False):
+    """[BN, G, TG] DT: OFFSET (`_code_offset`) + the codes of columns k0 + g * TG + t of the rows whose records
+    start at p_wr ([BN] uint8 pointers; m_w: [BN, 1, 1] the rows' mask) of a q4_k, q5_k or q6_k weight of K columns,
+    read as 32-bit code words (`strata.quant.packed`'s word order) and put in column order by register joins:
+    [.., h, b, a] of the joined tensor is half h of `_code_pair` a + 2b, column 4a + 2b + h of the word."""
+    WG: tl.constexpr = TG // 8
+    if G_FIRST:
+        o_w = (k0 // 8 + tl.arange(0, G) * WG)[:, None, None] + tl.arange(0, WG)[None, None, :]  # [G, 1, WG]
+        p_r = p_wr[None, :, None]
+        m_w = m_w.reshape(1, m_w.shape[0], 1)
+    else:
+        o_w = (k0 // 8 + tl.arange(0, G) * WG)[None, :, None] + tl.arange(0, WG)[None, None, :]  # [1, G, WG]
+        p_r = p_wr[:, None, None]
+    b_w = tl.load(p_r.to(tl.pointer_type(tl.int32)) + o_w, mask=m_w, other=0)  # [BN, G, WG] (or [G, BN, WG])
+    if FMT == 4:  # fifth bits: a byte per code word
+        b_f = tl.load(p_r + K // 2 + K // 64 + K // 16 + o_w, mask=m_w, other=0).to(tl.int32)
+    elif FMT == 5:  # top two bits: 16 bits per code word
+        b_f = tl.load(p_r.to(tl.pointer_type(tl.int16)) + K // 4 + o_w, mask=m_w, other=0).to(tl.int32) & 0xFFFF
+    else:
+        b_f = b_w
+    b_f = _spread_high(b_f, FMT)
+    l0, h0 = _halves(_code_pair(b_w, b_f, 0, FMT), DT)
+    l1, h1 = _halves(_code_pair(b_w, b_f, 1, FMT), DT)
+    l2, h2 = _halves(_code_pair(b_w, b_f, 2, FMT), DT)
+    l3, h3 = _halves(_code_pair(b_w, b_f, 3, FMT), DT)
+    b_q = tl.join(tl.join(tl.join(l0, l1), tl.join(l2, l3)), tl.join(tl.join(h0, h1), tl.join(h2, h3)))
+    return tl.reshape(b_q, [b_w.shape[0], b_w.shape[1], TG])
+
+
+@triton.jit
+def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, X_CG: tl.constexpr = False):
+    """float32 [BLOCK_M, BLOCK_N]: sum over columns [k_lo, k_hi) of x[m, k] * w[n, k], for the x rows at p_xr ([BM]
+    pointers to each row's first element, masked by m_m) and the packed weight rows whose records start at p_wr
+    ([BN] uint8 pointers, masked by m_n) of a q4_k, q5_k or q6_k weight of K columns. k_lo, k_hi: multiples of
+    BLOCK_K (which is of whole scale groups). X_CG: x read from L2 (`_down_tile`'s h).
+
+    Each scale group's products are taken with the integer codes themselves (offset into the activations' dtype by
+    an or: `_halves`), and the group's scale is applied to the group's sum after the dot, in float32: w = s * code
+    - c, so x . w = s * (x . (OFFSET + code)) - (c + OFFSET * s) * sum(x). A tile costs a shift, a mask and an or
+    per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is one
+    more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its
+    rounding is not there: they are nearer the float reference), but a row's are the same whatever the other rows
+    are: the groups' partial sums are kept apart ([G, BM, BN]) and added in one order at the end."""
+    DT: tl.constexpr = p_xr.dtype.element_ty
+    GS: tl.constexpr = 16 if FMT == 5 else 32  # columns a scale covers
+    G: tl.constexpr = BLOCK_K // GS
+    OFFSET: tl.constexpr = _code_offset(DT)
+    o_g = tl.arange(0, G)
+    o_c = tl.arange(0, GS)
+    p_ww = p_wr.to(tl.pointer_type(tl.int32))  # [BN] the records as words
+    ones = tl.full([G, GS, BLOCK_N], 1.0, DT)
+    acc = tl.zeros([G, BLOCK_M, BLOCK_N], dtype=tl.float32)
+    m_x = m_m[None, :, None]
+    m_w = m_n[:, None, None]
+    m_s = m_n[None, :]
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_x = p_xr[None, :, None] + (k0 + o_g * GS)[:, None, None] + o_c[None, None, :]  # [G, BM, GS]
+        if X_CG:
+            b_x = tl.load(o_x, mask=m_x, other=0.0, cache_modifier=".cg")
+        else:
+            b_x = tl.load(o_x, mask=m_x, other=0.0)
+        b_q = tl.permute(_codes(p_wr, m_n, k0, K, FMT, G, GS, DT, True), (0, 2, 1))  # [G, GS, BN]
+        if DT == tl.float32:
+            part = tl.dot(b_x, b_q, input_precision="ieee")  # [G, BM, BN]
+            b_sum = tl.dot(b_x, ones, input_precision="ieee")
+        else:
+            part = tl.dot(b_x, b_q)
+            b_sum = tl.dot(b_x, ones)  # each row's group sums, on every column
+        o_run = k0 + o_g * GS  # [G]
+        if FMT == 5:
+            d = _half(tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 8 + o_run // 256)[:, None],
+                              mask=m_s, other=0).to(tl.int32))  # [G, BN]
+            sc = tl.load((p_wr + K // 2 + K // 4 + K // 128)[None, :] + (o_run // 16)[:, None], mask=m_s,
+                         other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            s = d * sc
+            c = s * (OFFSET + 32.0)
+        else:
+            b_dd = tl.load(p_ww[None, :] + (K // 8 + o_run // 256)[:, None], mask=m_s, other=0)  # d, dmin
+            b_sm = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 128 + o_run // 32)[:, None],
+                           mask=m_s, other=0).to(tl.int32)  # scale, min
+            s = _half(b_dd & 0xFFFF) * (b_sm & 0xFF).to(tl.float32)
+            c = _half((b_dd >> 16) & 0xFFFF) * ((b_sm >> 8) & 0xFF).to(tl.float32) + OFFSET * s
+        acc += part * s[:, None, :]
+        acc -= b_sum * c[:, None, :]
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit

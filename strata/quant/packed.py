@@ -7,18 +7,26 @@ one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts o
   q8_0  codes int8 [K] | scales float16 [K/32]:                          w = f32(scale) * code
   fp8   codes float8_e4m3fn [K] | scales float32 [K/128] (a checkpoint's 128 x 128 blocks, repeated per row):
                                                                          w = f32(code) * scale
-  q4_k  codes uint8 [K/2] (byte j: column 2j in its low nibble, 2j + 1 in its high one) | supers float16
-        [K/256, 2] (each 256 columns' d, dmin) | scales uint8 [K/32, 2] (each 32 columns' 6-bit scale, min):
+  q4_k  codes uint8 [K/2] (four bits a column, in word order: below) | supers float16 [K/256, 2] (each 256
+        columns' d, dmin) | scales uint8 [K/32, 2] (each 32 columns' 6-bit scale, min):
                                                                          w = (f32(d) * scale) * code - f32(dmin) * min
-  q5_k  q4_k's parts | high uint8 [K/8] (byte j: bit i is column 8j + i's fifth bit): code = nibble | bit << 4
-  q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | high uint8 [K/4] (byte j: bits 2i, 2i + 1 are column
-        4j + i's top two) | supers float16 [K/256] (d) | scales int8 [K/16]:
+  q5_k  q4_k's parts | high uint8 [K/8] (a byte per 8 columns: each one's fifth bit, in word order):
+                                                                         code = nibble | bit << 4
+  q6_k  codes uint8 [K/2] (the low four bits, as q4_k) | high uint8 [K/4] (two bytes per 8 columns: each one's top
+        two bits, in word order) | supers float16 [K/256] (d) | scales int8 [K/16]:
                                                                          w = (f32(d) * scale) * (code - 32)
   iq3_s codes uint8 [K/4] (the low 8 bits of each 4 columns' grid index) | signs uint8 [K/8] (bit i of byte j:
         column 8j + i negative) | high uint8 [K/32] (bit i of byte j: index 8j + i's ninth bit) | scales uint8
         [K/64] (two 4-bit scales a byte, low first, one per 32 columns) | supers float16 [K/256] (d):
                                                           w = f32(d) * (1 + 2 * scale) * grid[index][c] * sign
         (grid: IQ3_S's 512 points of 4 odd values, `iq3s_grid`; exactly GGUF's 110 bytes per 256 columns)
+
+Word order (q4_k, q5_k, q6_k): each 8 columns' codes are one 32-bit word, field i (nibble i; bit i of the fifth
+bits' byte, bits 2i, 2i + 1 of the top bits' 16) holding column WORD_ORDER[i] = 0, 4, 2, 6, 1, 5, 3, 7 of the 8, so
+that one shift and one mask of the word give two adjacent columns' codes in its two 16-bit halves, as the decode
+kernels' tensor-core products take them (`strata.kernels.packed.packed_mm`). The parts given to `PackedWeight` and
+read back from `codes` / `high` are in column order (byte j: column 2j in its low nibble, 2j + 1 in its high one;
+the high bits likewise, lowest column first); only the record holds them in word order.
 
 A row record is as long as GGUF's blocks for the row (q4_k and q5_k: 4 bytes more per 256 columns, their 6-bit
 scales unpacked to bytes), padded to 16 bytes, so a kernel addresses any column with shifts and a load per part,
@@ -81,6 +89,21 @@ def packed_nbytes(fmt: str, n: int, k: int) -> int:
     return n * row_bytes(fmt, k)
 
 
+WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)  # field i of a code word holds column WORD_ORDER[i] (its own inverse)
+_WORD_ORDERED = ("q4_k", "q5_k", "q6_k")
+
+
+def _word_order(part: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [..., K * width / 8] fields of `width` bits (4: codes, 1: fifth bits, 2: top bits), lowest first, with
+    each 8 fields permuted by WORD_ORDER: column order -> word order, and back (the permutation is an involution)."""
+    lead = part.shape[:-1]
+    shifts = torch.arange(0, 8, width, device=part.device, dtype=torch.uint8)
+    fields = (part[..., None] >> shifts) & ((1 << width) - 1)  # [..., bytes, 8 / width]
+    order = torch.tensor(WORD_ORDER, device=part.device)
+    fields = fields.reshape(*lead, -1, 8)[..., order].reshape(*lead, -1, 8 // width)
+    return (fields << shifts).sum(-1, dtype=torch.uint8)  # disjoint bits: the sum is their OR
+
+
 def _as_bytes(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(*lead, -1)
 
@@ -107,7 +130,11 @@ class PackedWeight:
         lead = tuple(shape[:-1])
         if data is None:
             given = {"codes": codes, "supers": supers, "scales": scales, "high": high, "signs": signs}
-            parts = [_as_bytes(given[name], lead) for name in part_sizes(fmt, k)]
+            given = {name: _as_bytes(t, lead) if t is not None else None for name, t in given.items()}
+            if fmt in _WORD_ORDERED:
+                given["codes"] = _word_order(given["codes"], 4)
+                given["high"] = _word_order(given["high"], 1 if fmt == "q5_k" else 2) if fmt != "q4_k" else None
+            parts = [given[name] for name in part_sizes(fmt, k)]
             pad = row_bytes(fmt, k) - sum(part.shape[-1] for part in parts)
             if pad:
                 parts.append(parts[0].new_zeros(*lead, pad))
@@ -133,7 +160,11 @@ class PackedWeight:
 
     @property
     def codes(self) -> torch.Tensor:
+        """The codes in column order (q4_k, q5_k, q6_k: byte j holds column 2j in its low nibble, 2j + 1 in its
+        high one)."""
         codes = self._part("codes")
+        if self.fmt in _WORD_ORDERED:
+            return _word_order(codes, 4)
         return codes.view(_CODE_DTYPE[self.fmt]) if self.fmt in _CODE_DTYPE else codes
 
     @property
@@ -151,7 +182,11 @@ class PackedWeight:
 
     @property
     def high(self) -> torch.Tensor | None:
-        return self._part("high")
+        """The high bits (q5_k, q6_k: in column order) or IQ3_S's ninth index bits."""
+        high = self._part("high")
+        if high is not None and self.fmt in _WORD_ORDERED:
+            return _word_order(high, 1 if self.fmt == "q5_k" else 2)
+        return high
 
     @property
     def signs(self) -> torch.Tensor | None:
