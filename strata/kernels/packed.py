@@ -1,10 +1,16 @@
-"""Packed weights read inside the kernels: a tile of a `PackedWeight` dequantized in registers.
+"""Packed weights read inside the kernels: a tile of a `PackedWeight` dequantized in registers, or multiplied as
+integer codes with its scales applied after the dot.
 
 `packed_tile` gives the float32 values of rows o_n, columns k0 .. k0 + BLOCK_K of a packed weight, exactly what
 `strata.quant.packed.dequantize` gives there; a kernel rounds them to its activations' dtype and multiplies as it
 does a plain weight's tile, so a packed weight's products are bitwise those of the weight dequantized at load
 (the same tiles, the same order). Only the packed bytes cross the memory bus: a decode window, bound by reading
 its weights, reads 2x (8-bit), 3.5x (4-bit K-quants) fewer bytes than bfloat16.
+
+`packed_mm` is the K-quants' decode product (`scaled_after`): dequantizing a tile costs a dozen instructions a
+column, more than the bytes it saves are worth at decode's few rows (the twenty-fourth session's q4_k decode ran
+at 0.54-0.59x bf16 with `packed_tile`); the codes instead go to the tensor cores as they are, two columns a shift,
+a mask and an or, and each scale group's sum is scaled in float32.
 
 `dequantize_triton` writes a whole packed weight out in its activations' dtype, for prompt windows' products on
 torch's GEMMs (a prompt window's arithmetic, not its weight reads, bounds it; the write is a small part of it).
@@ -67,8 +73,8 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT: tl.constexpr, BLOCK_K:
     iq3_s tiles only.
 
     The tile is built as [BN, G, TG]: G runs of TG columns, each inside one scale group, so a run's scale is one
-    value broadcast over its columns, codes split from their bytes by register shuffles (interleave) and high
-    bits from one word per run by shifts; one reshape gives [BN, BLOCK_K]. The products are those of
+    value broadcast over its columns (the K-quants' codes from their 32-bit code words, `_codes`); one reshape
+    gives [BN, BLOCK_K]. The products are those of
     `strata.quant.packed.dequantize` (exact in float32, so the same bits)."""
     p_r = p_w + o_n[:, None] * s_row  # [BN, 1] each row's record
     if FMT == 6:  # iq3_s: codes [K/4] | signs [K/8] | high [K/32] | scales [K/64] | d f16 [K/256]
