@@ -275,7 +275,7 @@ def test_packed_is_bitwise_the_dequantized_engine(packed_logits, engines, refere
     got, n = packed_logits, len(PROMPT)
     assert torch.equal(got[:n], plain[:n])
     for step in range(STEPS):
-        assert rel_err(got[n + step], plain[n + step]) < 1e-6, step
+        assert rel_err(got[n + step], plain[n + step]) < 1e-5, step
         assert got[n + step].argmax() == plain[n + step].argmax()
 
 

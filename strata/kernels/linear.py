@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.deferred import SplitSum, finish, sum_chunks
-from strata.kernels.packed import grid_words, packed_mm, packed_tile, scaled_after
+from strata.kernels.packed import SCALED_AFTER, grid_words, packed_mm, packed_tile, scaled_after
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -96,7 +96,7 @@ def linear_kernel(
     # tl.full and // rather than tl.zeros / tl.cdiv (jit helpers that break the interpreter when triton
     # was imported before TRITON_INTERPRET was set)
     k_end = tl.minimum(K - k0, K_CHUNK)
-    if scaled_after(FMT, BLOCK_M):
+    if scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         b_acc = packed_mm(p_x + o_m.to(tl.int64) * stride_xm, m_m, p_w + o_n.to(tl.int64) * stride_wn, m_n, k0,
                           k0 + k_end, K, FMT, BLOCK_M, BLOCK_N, BLOCK_K)
     else:

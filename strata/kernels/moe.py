@@ -18,7 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import grid_words, packed_mm, packed_tile, plain_weight, project, scaled_after
+from strata.kernels.packed import SCALED_AFTER, grid_words, packed_mm, packed_tile, plain_weight, project, scaled_after
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -310,7 +310,7 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I
             b_wu = p_w.load([r_gate + I, k0]).to(b_x.dtype)
             b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision="ieee")
             b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision="ieee")
-    elif scaled_after(FMT, BLOCK_M):
+    elif scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         p_xr = p_x + b_row.to(tl.int64) * s_xr
         p_g = p_e + o_n.to(tl.int64) * s_wn
@@ -389,7 +389,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E
                           mask=m_m[:, None] & (o_k < I)[None, :], other=0.0)  # [BM, BK]
             b_w = p_w.load([r_down, k0]).to(b_h.dtype)  # [BN, BK]
             b_y = tl.dot(b_h, tl.trans(b_w), b_y, input_precision="ieee")
-    elif scaled_after(FMT, BLOCK_M):
+    elif scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         b_y = packed_mm(p_h + b_pair.to(tl.int64) * I, m_m,
                         _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n.to(tl.int64) * s_wn, m_n, 0, I, I, FMT,
                         BLOCK_M, BLOCK_N, BLOCK_K, H_CG)

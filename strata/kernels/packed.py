@@ -7,10 +7,10 @@ does a plain weight's tile, so a packed weight's products are bitwise those of t
 (the same tiles, the same order). Only the packed bytes cross the memory bus: a decode window, bound by reading
 its weights, reads 2x (8-bit), 3.5x (4-bit K-quants) fewer bytes than bfloat16.
 
-`packed_mm` is the K-quants' decode product (`scaled_after`): dequantizing a tile costs a dozen instructions a
-column, more than the bytes it saves are worth at decode's few rows (the twenty-fourth session's q4_k decode ran
-at 0.54-0.59x bf16 with `packed_tile`); the codes instead go to the tensor cores as they are, two columns a shift,
-a mask and an or, and each scale group's sum is scaled in float32.
+`packed_mm` is the K-quants' decode product (`scaled_after`): the codes go to the tensor cores as they are, two
+columns a shift, a mask and an or, and each scale group's sum is scaled in float32, nearer the float reference
+than a tile rounded to bfloat16 and with a third of the instructions a column; measured as fast as `packed_tile`
+on an H100 (both at about half of bf16's decode speed: the note in `packed_mm` says where that stands).
 
 `dequantize_triton` writes a whole packed weight out in its activations' dtype, for prompt windows' products on
 torch's GEMMs (a prompt window's arithmetic, not its weight reads, bounds it; the write is a small part of it).
@@ -129,16 +129,17 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT: tl.constexpr, BLOCK_K:
     return tl.reshape(w, [w.shape[0], BLOCK_K])  # masked columns and rows: 0 (their codes and scales load as 0)
 
 
-SCALED_AFTER = tl.constexpr(os.environ.get("STRATA_PACKED_EXACT", "") != "1")  # `scaled_after`'s switch (A/B runs)
-SCALED_AFTER_FORMATS = ("q4_k", "q5_k", "q6_k") if SCALED_AFTER else ()  # the formats `scaled_after` takes
+# `scaled_after`'s switch (A/B runs); a kernel names it so that Triton's cache keeps the two variants apart
+SCALED_AFTER = tl.constexpr(os.environ.get("STRATA_PACKED_EXACT", "") != "1")
+SCALED_AFTER_FORMATS = ("q4_k", "q5_k", "q6_k") if SCALED_AFTER.value else ()  # the formats `scaled_after` takes
 
 
-@triton.jit
-def scaled_after(FMT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Whether a decode tile of BLOCK_M rows over a weight of kernel format FMT takes its products by `packed_mm`
+@triton.constexpr_function
+def scaled_after(fmt, block_m, switch=SCALED_AFTER):
+    """(A compile-time constant: the branch not taken is not compiled.) Whether a decode tile of BLOCK_M rows over a weight of kernel format FMT takes its products by `packed_mm`
     (q4_k, q5_k, q6_k, at the decode windows' 16 rows or fewer; with STRATA_PACKED_EXACT=1, never: every format's
     tiles dequantized by `packed_tile`, bitwise the weight dequantized to the activations' dtype)."""
-    return SCALED_AFTER and FMT >= 3 and FMT <= 5 and BLOCK_M <= 16
+    return bool(switch) and 3 <= fmt <= 5 and block_m <= 16
 
 
 @triton.jit
@@ -179,14 +180,10 @@ def _halves(c, DT: tl.constexpr):
         return _exact_float(c & 0xFFFF, 0), _exact_float(c >> 16, 0)
 
 
-@triton.jit
-def _code_offset(DT: tl.constexpr):
-    if DT == tl.bfloat16:
-        return 128.0
-    elif DT == tl.float16:
-        return 1024.0
-    else:
-        return 0.0
+@triton.constexpr_function
+def _code_offset(dt):
+    """What `_halves` adds to a code in dtype dt (a compile-time constant)."""
+    return {tl.bfloat16: 128.0, tl.float16: 1024.0}.get(dt, 0.0)
 
 
 @triton.jit
@@ -228,12 +225,43 @@ def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexp
 
 
 @triton.jit
+def _group_scales(p_wr, m_s, o_run, K, FMT: tl.constexpr):
+    """int32 [G, BN]: the raw scale fields of the groups starting at columns o_run ([G]) of each row (q4_k, q5_k:
+    the super-block's (d, dmin) as one word, the group's (scale, min) bytes; q6_k: d's float16 bits, the scale
+    byte)."""
+    if FMT == 5:
+        b_1 = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 8 + o_run // 256)[:, None],
+                      mask=m_s, other=0).to(tl.int32)
+        b_2 = tl.load((p_wr + K // 2 + K // 4 + K // 128)[None, :] + (o_run // 16)[:, None], mask=m_s,
+                      other=0).to(tl.int32)
+    else:
+        b_1 = tl.load(p_wr.to(tl.pointer_type(tl.int32))[None, :] + (K // 8 + o_run // 256)[:, None], mask=m_s,
+                      other=0)
+        b_2 = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 128 + o_run // 32)[:, None],
+                      mask=m_s, other=0).to(tl.int32)
+    return b_1, b_2
+
+
+@triton.jit
+def _scale_terms(b_1, b_2, FMT: tl.constexpr, OFFSET: tl.constexpr):
+    """float32 (s, c) [G, BN] from `_group_scales`' fields: a group's weights are s * code - c, and c takes in the
+    OFFSET the codes carry (`_halves`)."""
+    if FMT == 5:
+        s = _half(b_1) * ((b_2 << 24) >> 24).to(tl.float32)  # the scale byte, signed
+        c = s * (OFFSET + 32.0)
+    else:
+        s = _half(b_1 & 0xFFFF) * (b_2 & 0xFF).to(tl.float32)
+        c = _half((b_1 >> 16) & 0xFFFF) * ((b_2 >> 8) & 0xFF).to(tl.float32) + OFFSET * s
+    return s, c
+
+
+@triton.jit
 def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, X_CG: tl.constexpr = False):
     """float32 [BLOCK_M, BLOCK_N]: sum over columns [k_lo, k_hi) of x[m, k] * w[n, k], for the x rows at p_xr ([BM]
     pointers to each row's first element, masked by m_m) and the packed weight rows whose records start at p_wr
     ([BN] uint8 pointers, masked by m_n) of a q4_k, q5_k or q6_k weight of K columns. k_lo, k_hi: multiples of
-    BLOCK_K (which is of whole scale groups). X_CG: x read from L2 (`_down_tile`'s h).
+    the scale group (BLOCK_K is not used: a step is one scale group). X_CG: x read from L2 (`_down_tile`'s h).
 
     Each scale group's products are taken with the integer codes themselves (offset into the activations' dtype by
     an or: `_halves`), and the group's scale is applied to the group's sum after the dot, in float32: w = s * code
@@ -241,49 +269,45 @@ def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: t
     per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is one
     more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its
     rounding is not there: they are nearer the float reference), but a row's are the same whatever the other rows
-    are: the groups' partial sums are kept apart ([G, BM, BN]) and added in one order at the end."""
+    are: the groups are added in one order.
+
+    One scale group a step, every tile 2-D: on an H100 with Triton 3.6 this ran as fast as `packed_tile`'s
+    dequantized tiles (q4_k, 8 layers of the 30B shape: 640 / 2,632 / 8,358 tok/s at 1 / 8 / 64 rows against 642 /
+    2,658 / 8,384), where a 3-D version with a step's four groups side by side ([G, BM, BN] sums), half the
+    instructions a column again, was 10-20 % slower: Triton 3.6 loaded its 3-D operands without the pipeline's
+    asynchronous copies (docs/perf-log.md, twenty-eighth session)."""
     DT: tl.constexpr = p_xr.dtype.element_ty
-    GS: tl.constexpr = 16 if FMT == 5 else 32  # columns a scale covers
-    G: tl.constexpr = BLOCK_K // GS
+    GS: tl.constexpr = 16 if FMT == 5 else 32
     OFFSET: tl.constexpr = _code_offset(DT)
-    o_g = tl.arange(0, G)
     o_c = tl.arange(0, GS)
-    p_ww = p_wr.to(tl.pointer_type(tl.int32))  # [BN] the records as words
-    ones = tl.full([G, GS, BLOCK_N], 1.0, DT)
-    acc = tl.zeros([G, BLOCK_M, BLOCK_N], dtype=tl.float32)
-    m_x = m_m[None, :, None]
-    m_w = m_n[:, None, None]
+    o_1 = tl.arange(0, 1)
+    ones = tl.full([GS, BLOCK_N], 1.0, DT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    m_x = m_m[:, None]
     m_s = m_n[None, :]
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        o_x = p_xr[None, :, None] + (k0 + o_g * GS)[:, None, None] + o_c[None, None, :]  # [G, BM, GS]
+    # a step's scales are loaded one step ahead: Triton's pipeline prefetches the loads that feed the tensor cores,
+    # not these (they feed the float32 sums), and a load waited for every step would cost a trip to memory a step
+    n_s1, n_s2 = _group_scales(p_wr, m_s, k_lo + o_1 * GS, K, FMT)
+    for k0 in range(k_lo, k_hi, GS):
+        b_s1, b_s2 = n_s1, n_s2
+        o_next = k0 + GS + o_1
+        n_s1, n_s2 = _group_scales(p_wr, m_s & (o_next < k_hi)[:, None], o_next, K, FMT)
+        o_x = p_xr[:, None] + k0 + o_c[None, :]  # [BM, GS]
         if X_CG:
             b_x = tl.load(o_x, mask=m_x, other=0.0, cache_modifier=".cg")
         else:
             b_x = tl.load(o_x, mask=m_x, other=0.0)
-        b_q = tl.permute(_codes(p_wr, m_n, k0, K, FMT, G, GS, DT, True), (0, 2, 1))  # [G, GS, BN]
+        b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k0, K, FMT, 1, GS, DT, True), [BLOCK_N, GS]))  # [GS, BN]
         if DT == tl.float32:
-            part = tl.dot(b_x, b_q, input_precision="ieee")  # [G, BM, BN]
+            part = tl.dot(b_x, b_q, input_precision="ieee")
             b_sum = tl.dot(b_x, ones, input_precision="ieee")
         else:
             part = tl.dot(b_x, b_q)
-            b_sum = tl.dot(b_x, ones)  # each row's group sums, on every column
-        o_run = k0 + o_g * GS  # [G]
-        if FMT == 5:
-            d = _half(tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 8 + o_run // 256)[:, None],
-                              mask=m_s, other=0).to(tl.int32))  # [G, BN]
-            sc = tl.load((p_wr + K // 2 + K // 4 + K // 128)[None, :] + (o_run // 16)[:, None], mask=m_s,
-                         other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            s = d * sc
-            c = s * (OFFSET + 32.0)
-        else:
-            b_dd = tl.load(p_ww[None, :] + (K // 8 + o_run // 256)[:, None], mask=m_s, other=0)  # d, dmin
-            b_sm = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 128 + o_run // 32)[:, None],
-                           mask=m_s, other=0).to(tl.int32)  # scale, min
-            s = _half(b_dd & 0xFFFF) * (b_sm & 0xFF).to(tl.float32)
-            c = _half((b_dd >> 16) & 0xFFFF) * ((b_sm >> 8) & 0xFF).to(tl.float32) + OFFSET * s
-        acc += part * s[:, None, :]
-        acc -= b_sum * c[:, None, :]
-    return tl.sum(acc, axis=0)
+            b_sum = tl.dot(b_x, ones)
+        s, c = _scale_terms(b_s1, b_s2, FMT, OFFSET)
+        acc += part * s
+        acc -= b_sum * c
+    return acc
 
 
 @triton.jit
