@@ -18,8 +18,10 @@ by each kernel's own GPU time, which overlaps the next kernel's under programmat
 (`strata.quant.online`) and kept packed on the GPU (`strata.kernels.packed`): its tok/s beside bf16's and beside
 the roofline over the packed bytes, both engines' weight memory, and, on a model of `--check-layers` layers of the
 shape, one prompt window's logits packed (bf16) against the same dequantized weights in float32, bitwise against
-the same weights dequantized at load in bf16, and the quantization's own effect (the float32 logits of the
-dequantized weights against the original ones).
+the same weights dequantized at load in bf16, eight one-row decode windows' logits against the same reference
+(the K-quants' decode products take the integer codes: not bitwise, nearer the reference), and the quantization's
+own effect (the float32 logits of the dequantized weights against the original ones). `STRATA_PACKED_EXACT=1`
+runs the K-quants' decode products on dequantized tiles instead (the A/B of `strata.kernels.packed.scaled_after`).
 
     python bench/decode.py --weights q4_k --concurrency 1,8,32,64 --skip-transformers --skip-checks
 """
