@@ -34,7 +34,8 @@ from bench.shapes import shape
 
 DATA = Path(__file__).parent / "data"
 SETTING_KEYS = {"device", "dtype", "max_cells", "batch", "layer_split", "split_device", "batch_groups",
-                "trim_stage_weights", "expert_budget_gb", "cpu_threads", "pcie_frac", "kernels", "cuda_graphs"}
+                "trim_stage_weights", "expert_budget_gb", "cpu_threads", "pcie_frac", "park_vram_gb", "kernels",
+                "cuda_graphs"}
 
 
 def machine(name: str) -> MachineFacts:
@@ -508,6 +509,27 @@ def test_facts_recorded_on_the_real_h200_machine(moe30b):
     p = propose(Facts(machine=recorded, model=moe30b), Wishes(concurrency=8))
     assert p.settings["device"] == "cuda:0" and p.settings["layer_split"] is None
     assert p.settings["expert_budget_gb"] is None and "every expert fits in VRAM" in p.reasons["expert_budget_gb"]
+
+
+def test_park_vram_takes_half_of_what_is_left_up_to_the_host_tier(moe30b, next80b):
+    """--park-vram-gb: the 30B model on an H200 leaves tens of GB: the host tier's 4 GB; the 80B one spills experts
+    to RAM: 0; with little left after the weights and state: 0, saying so; the CPU: 0."""
+    p = propose(Facts(machine=machine("h200-recorded"), model=moe30b), Wishes(concurrency=8))
+    assert p.settings["park_vram_gb"] == 4.0 and "host tier's budget" in p.reasons["park_vram_gb"]
+    assert "the state of 8 slots" in p.reasons["park_vram_gb"]
+    left = p.stages[0].capacity_bytes - p.stages[0].fixed_bytes - p.stages[0].state_bytes - p.stages[0].budget_bytes
+    assert left > 8e9
+    tight = machine("h200-recorded").model_copy(deep=True)
+    tight.gpus[0].vram_free_bytes -= left - int(3e9)  # 3 GB left: half of it, 1.5 GB
+    p = propose(Facts(machine=tight, model=moe30b), Wishes(concurrency=8))
+    assert p.settings["park_vram_gb"] == 1.5 and "host tier" not in p.reasons["park_vram_gb"]
+    tight.gpus[0].vram_free_bytes -= int(2e9)  # 1 GB left: not worth it
+    p = propose(Facts(machine=tight, model=moe30b), Wishes(concurrency=8))
+    assert p.settings["park_vram_gb"] == 0.0 and "too little" in p.reasons["park_vram_gb"]
+    p = propose(Facts(machine=machine("1xh200"), model=next80b), Wishes(concurrency=8))
+    assert p.settings["park_vram_gb"] == 0.0 and "holds experts" in p.reasons["park_vram_gb"]
+    p = propose(Facts(machine=machine("cpu-only"), model=moe30b), Wishes())
+    assert p.settings["park_vram_gb"] == 0.0 and "no GPU" in p.reasons["park_vram_gb"]
 
 
 def test_calibrate_measures_a_pipelined_split_on_the_cpu():
