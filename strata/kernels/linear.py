@@ -80,7 +80,9 @@ def linear_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] tile over the K columns [i_s * K_CHUNK, (i_s + 1) * K_CHUNK). PARTIAL: store
     the float32 sums at p_out + i_s * M * N (for `_sum_chunks_kernel`), else the finished tile. FMT > 0: the weight
-    is packed (p_w: its row records, stride_wn bytes apart; `strata.kernels.packed`), each tile dequantized and rounded to x's dtype, then multiplied as a plain weight's tile is."""
+    is packed (p_w: its row records, stride_wn bytes apart; `strata.kernels.packed`): the K-quants' products by
+    `packed_mm` (integer codes, each scale group's scale after its sum), the other formats' tiles dequantized and
+    rounded to x's dtype, then multiplied as a plain weight's tile is."""
     wait_for_prior(PDL)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)

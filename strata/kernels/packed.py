@@ -136,9 +136,10 @@ SCALED_AFTER_FORMATS = ("q4_k", "q5_k", "q6_k") if SCALED_AFTER.value else ()  #
 
 @triton.constexpr_function
 def scaled_after(fmt, block_m, switch=SCALED_AFTER):
-    """(A compile-time constant: the branch not taken is not compiled.) Whether a decode tile of BLOCK_M rows over a weight of kernel format FMT takes its products by `packed_mm`
+    """Whether a decode tile of block_m rows over a weight of kernel format fmt takes its products by `packed_mm`
     (q4_k, q5_k, q6_k, at the decode windows' 16 rows or fewer; with STRATA_PACKED_EXACT=1, never: every format's
-    tiles dequantized by `packed_tile`, bitwise the weight dequantized to the activations' dtype)."""
+    tiles dequantized by `packed_tile`, bitwise the weight dequantized to the activations' dtype). A compile-time
+    constant: the branch not taken is not compiled."""
     return bool(switch) and 3 <= fmt <= 5 and block_m <= 16
 
 
@@ -190,14 +191,15 @@ def _code_offset(dt):
 def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, DT: tl.constexpr,
            G_FIRST: tl.constexpr = False):
     """[BN, G, TG] DT: OFFSET (`_code_offset`) + the codes of columns k0 + g * TG + t of the rows whose records
-    start at p_wr ([BN] uint8 pointers; m_w: [BN, 1, 1] the rows' mask) of a q4_k, q5_k or q6_k weight of K columns,
+    start at p_wr ([BN] uint8 pointers; m_w: the rows' mask, [BN] or [BN, 1, 1]) of a q4_k, q5_k or q6_k weight
+    of K columns ([G, BN, TG] if G_FIRST),
     read as 32-bit code words (`strata.quant.packed`'s word order) and put in column order by register joins:
     [.., h, b, a] of the joined tensor is half h of `_code_pair` a + 2b, column 4a + 2b + h of the word."""
     WG: tl.constexpr = TG // 8  # code words a group
     WP: tl.constexpr = 2 if WG >= 4 else 1  # words a thread loads at once (below)
     # [.., TG // 8 // WP, WP] words: a thread's load is at most 8 bytes. With 16-byte loads (a whole 32-column group
     # in one thread) Triton lays the tile out in shared memory along the other dimension, for the tensor cores, and
-    # stores it 2 bytes at a time (the sm_90 q4_k experts loop: 221 instructions a tile against 189 with 8 bytes)
+    # stores it 2 bytes at a time (seen in sm_90 code of four groups a step: 221 instructions a tile against 187)
     o_v = tl.arange(0, WG // WP)[:, None] * WP + tl.arange(0, WP)[None, :]  # [WG / WP, WP]
     o_g = k0 // 8 + tl.arange(0, G) * WG
     if G_FIRST:
