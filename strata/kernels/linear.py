@@ -100,7 +100,7 @@ def linear_kernel(
     k_end = tl.minimum(K - k0, K_CHUNK)
     if scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         b_acc = packed_mm(p_x + o_m.to(tl.int64) * stride_xm, m_m, p_w + o_n.to(tl.int64) * stride_wn, m_n, k0,
-                          k0 + k_end, K, FMT, BLOCK_M, BLOCK_N, BLOCK_K)
+                          k0 + k_end, K, FMT, BLOCK_M, BLOCK_N)
     else:
         b_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         for i_k in range(0, (k_end + BLOCK_K - 1) // BLOCK_K):

@@ -314,8 +314,8 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         p_xr = p_x + b_row.to(tl.int64) * s_xr
         p_g = p_e + o_n.to(tl.int64) * s_wn
-        b_gate = packed_mm(p_xr, m_m, p_g, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N, BLOCK_K)
-        b_up = packed_mm(p_xr, m_m, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N, BLOCK_K)
+        b_gate = packed_mm(p_xr, m_m, p_g, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
+        b_up = packed_mm(p_xr, m_m, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
     elif FMT > 0:
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         r_n = o_n.to(tl.int64)
@@ -392,7 +392,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E
     elif scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         b_y = packed_mm(p_h + b_pair.to(tl.int64) * I, m_m,
                         _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n.to(tl.int64) * s_wn, m_n, 0, I, I, FMT,
-                        BLOCK_M, BLOCK_N, BLOCK_K, H_CG)
+                        BLOCK_M, BLOCK_N, H_CG)
     else:
         p_down = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
         for k0 in range(0, I, BLOCK_K):

@@ -188,12 +188,10 @@ def _code_offset(dt):
 
 
 @triton.jit
-def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, DT: tl.constexpr,
-           G_FIRST: tl.constexpr = False):
+def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, DT: tl.constexpr):
     """[BN, G, TG] DT: OFFSET (`_code_offset`) + the codes of columns k0 + g * TG + t of the rows whose records
     start at p_wr ([BN] uint8 pointers; m_w: the rows' mask, [BN] or [BN, 1, 1]) of a q4_k, q5_k or q6_k weight
-    of K columns ([G, BN, TG] if G_FIRST),
-    read as 32-bit code words (`strata.quant.packed`'s word order) and put in column order by register joins:
+    of K columns, read as 32-bit code words (`strata.quant.packed`'s word order) and put in column order by register joins:
     [.., h, b, a] of the joined tensor is half h of `_code_pair` a + 2b, column 4a + 2b + h of the word."""
     WG: tl.constexpr = TG // 8  # code words a group
     WP: tl.constexpr = 2 if WG >= 4 else 1  # words a thread loads at once (below)
@@ -202,15 +200,10 @@ def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexp
     # stores it 2 bytes at a time (seen in sm_90 code of four groups a step: 221 instructions a tile against 187)
     o_v = tl.arange(0, WG // WP)[:, None] * WP + tl.arange(0, WP)[None, :]  # [WG / WP, WP]
     o_g = k0 // 8 + tl.arange(0, G) * WG
-    if G_FIRST:
-        o_w = o_g[:, None, None, None] + o_v[None, None, :, :]  # [G, 1, WG / WP, WP]
-        p_r = p_wr[None, :, None, None]
-        m_w = m_w.reshape(1, m_w.shape[0], 1, 1)
-    else:
-        o_w = o_g[None, :, None, None] + o_v[None, None, :, :]  # [1, G, WG / WP, WP]
-        p_r = p_wr[:, None, None, None]
-        m_w = m_w.reshape(m_w.shape[0], 1, 1, 1)
-    b_w = tl.load(p_r.to(tl.pointer_type(tl.int32)) + o_w, mask=m_w, other=0)  # [BN, G, ..] (or [G, BN, ..])
+    o_w = o_g[None, :, None, None] + o_v[None, None, :, :]  # [1, G, WG / WP, WP]
+    p_r = p_wr[:, None, None, None]
+    m_w = m_w.reshape(m_w.shape[0], 1, 1, 1)
+    b_w = tl.load(p_r.to(tl.pointer_type(tl.int32)) + o_w, mask=m_w, other=0)  # [BN, G, WG / WP, WP]
     if FMT == 4:  # fifth bits: a byte per code word
         b_f = tl.load(p_r + K // 2 + K // 64 + K // 16 + o_w, mask=m_w, other=0).to(tl.int32)
     elif FMT == 5:  # top two bits: 16 bits per code word
@@ -259,11 +252,11 @@ def _scale_terms(b_1, b_2, FMT: tl.constexpr, OFFSET: tl.constexpr):
 
 @triton.jit
 def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, X_CG: tl.constexpr = False):
+              X_CG: tl.constexpr = False):
     """float32 [BLOCK_M, BLOCK_N]: sum over columns [k_lo, k_hi) of x[m, k] * w[n, k], for the x rows at p_xr ([BM]
     pointers to each row's first element, masked by m_m) and the packed weight rows whose records start at p_wr
     ([BN] uint8 pointers, masked by m_n) of a q4_k, q5_k or q6_k weight of K columns. k_lo, k_hi: multiples of
-    the scale group (BLOCK_K is not used: a step is one scale group). X_CG: x read from L2 (`_down_tile`'s h).
+    the scale group (a step is one group). X_CG: x read from L2 (`_down_tile`'s h).
 
     Each scale group's products are taken with the integer codes themselves (offset into the activations' dtype by
     an or: `_halves`), and the group's scale is applied to the group's sum after the dot, in float32: w = s * code
@@ -299,7 +292,7 @@ def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: t
             b_x = tl.load(o_x, mask=m_x, other=0.0, cache_modifier=".cg")
         else:
             b_x = tl.load(o_x, mask=m_x, other=0.0)
-        b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k0, K, FMT, 1, GS, DT, True), [BLOCK_N, GS]))  # [GS, BN]
+        b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k0, K, FMT, 1, GS, DT), [BLOCK_N, GS]))  # [GS, BN]
         if DT == tl.float32:
             part = tl.dot(b_x, b_q, input_precision="ieee")
             b_sum = tl.dot(b_x, ones, input_precision="ieee")
