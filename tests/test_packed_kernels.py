@@ -73,7 +73,7 @@ def test_packed_experts_are_bitwise_the_dequantized_ones(fmt):
     weights take tensor descriptors), with a shared expert run as one more pair. The K-quants' decode tiles
     (`packed_mm`) instead match the float32 reference as closely, and a row alone gives its bits in the batch."""
     dt = torch.float16
-    E, H, I, k = 6, 256, 512, 2
+    E, H, I, k = 6, 256, 256, 2
     gu, dn = random_packed(fmt, (E, 2 * I, H), 1, dt), random_packed(fmt, (E, H, I), 2, dt)
     shared = (random_packed(fmt, (2 * I, H), 3, dt), random_packed(fmt, (H, I), 4, dt))
     plain = [dequantize(w).to(dt) for w in (gu, dn, *shared)]

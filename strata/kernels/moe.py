@@ -18,7 +18,7 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import SCALED_AFTER, grid_words, packed_mm, packed_tile, plain_weight, project, scaled_after
+from strata.kernels.packed import SCALED_AFTER, grid_words, packed_mm, packed_mm2, packed_tile, plain_weight, project, scaled_after
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 
@@ -314,8 +314,7 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         p_xr = p_x + b_row.to(tl.int64) * s_xr
         p_g = p_e + o_n.to(tl.int64) * s_wn
-        b_gate = packed_mm(p_xr, m_m, p_g, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
-        b_up = packed_mm(p_xr, m_m, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
+        b_gate, b_up = packed_mm2(p_xr, m_m, p_g, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
     elif FMT > 0:
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         r_n = o_n.to(tl.int64)

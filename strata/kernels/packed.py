@@ -9,8 +9,9 @@ its weights, reads 2x (8-bit), 3.5x (4-bit K-quants) fewer bytes than bfloat16.
 
 `packed_mm` is the K-quants' decode product (`scaled_after`): the codes go to the tensor cores as they are, two
 columns a shift, a mask and an or, and each scale group's sum is scaled in float32, nearer the float reference
-than a tile rounded to bfloat16 and with a third of the instructions a column; measured as fast as `packed_tile`
-on an H100 (both at about half of bf16's decode speed: the note in `packed_mm` says where that stands).
+than a tile rounded to bfloat16 and with a third of the instructions a column (`packed_mm2`: the experts' gate and
+up rows in one loop over x). On an H100 q4_k decode runs at 0.53-0.67x bf16's speed (docs/PERFORMANCE.md: where
+the time goes and what would close it).
 
 `dequantize_triton` writes a whole packed weight out in its activations' dtype, for prompt windows' products on
 torch's GEMMs (a prompt window's arithmetic, not its weight reads, bounds it; the write is a small part of it).
@@ -221,33 +222,115 @@ def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexp
 
 @triton.jit
 def _group_scales(p_wr, m_s, o_run, K, FMT: tl.constexpr):
-    """int32 [G, BN]: the raw scale fields of the groups starting at columns o_run ([G]) of each row (q4_k, q5_k:
-    the super-block's (d, dmin) as one word, the group's (scale, min) bytes; q6_k: d's float16 bits, the scale
-    byte)."""
+    """int32 [G, BN]: the aligned 32-bit words holding the scale fields of the groups starting at columns o_run
+    ([G]) of each row (q4_k, q5_k: the super-block's (d, dmin) word and the word holding the group's (scale, min)
+    bytes; q6_k: the word holding d's float16 bits and the one holding the scale byte). Only whole words: a field
+    narrower than a word, loaded alone, is repacked into its register once loaded, and a loop that carries it to
+    the next step waits for the load there (`_scale_terms` takes the fields out where they are used)."""
+    p_32 = p_wr.to(tl.pointer_type(tl.int32))[None, :]
     if FMT == 5:
-        b_1 = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 8 + o_run // 256)[:, None],
-                      mask=m_s, other=0).to(tl.int32)
-        b_2 = tl.load((p_wr + K // 2 + K // 4 + K // 128)[None, :] + (o_run // 16)[:, None], mask=m_s,
-                      other=0).to(tl.int32)
+        b_1 = tl.load(p_32 + ((K // 2 + K // 4) // 4 + o_run // 512)[:, None], mask=m_s, other=0)
+        b_2 = tl.load(p_32 + ((K // 2 + K // 4 + K // 128 + o_run // 16) // 4)[:, None], mask=m_s, other=0)
     else:
-        b_1 = tl.load(p_wr.to(tl.pointer_type(tl.int32))[None, :] + (K // 8 + o_run // 256)[:, None], mask=m_s,
-                      other=0)
-        b_2 = tl.load(p_wr.to(tl.pointer_type(tl.int16))[None, :] + (K // 4 + K // 128 + o_run // 32)[:, None],
-                      mask=m_s, other=0).to(tl.int32)
+        b_1 = tl.load(p_32 + (K // 8 + o_run // 256)[:, None], mask=m_s, other=0)
+        b_2 = tl.load(p_32 + (K // 8 + K // 256 + o_run // 64)[:, None], mask=m_s, other=0)
     return b_1, b_2
 
 
 @triton.jit
-def _scale_terms(b_1, b_2, FMT: tl.constexpr, OFFSET: tl.constexpr):
-    """float32 (s, c) [G, BN] from `_group_scales`' fields: a group's weights are s * code - c, and c takes in the
-    OFFSET the codes carry (`_halves`)."""
+def _scale_terms(b_1, b_2, o_run, K, FMT: tl.constexpr, OFFSET: tl.constexpr):
+    """float32 (s, c) [G, BN] from `_group_scales`' words for the groups at columns o_run ([G, 1]): a group's
+    weights are s * code - c, and c takes in the OFFSET the codes carry (`_halves`)."""
     if FMT == 5:
-        s = _half(b_1) * ((b_2 << 24) >> 24).to(tl.float32)  # the scale byte, signed
+        d = _half(b_1 >> (16 * ((o_run // 256) % 2)))
+        sc = (b_2 << (24 - 8 * ((K // 2 + K // 4 + K // 128 + o_run // 16) % 4))) >> 24  # the scale byte, signed
+        s = d * sc.to(tl.float32)
         c = s * (OFFSET + 32.0)
     else:
-        s = _half(b_1 & 0xFFFF) * (b_2 & 0xFF).to(tl.float32)
-        c = _half((b_1 >> 16) & 0xFFFF) * ((b_2 >> 8) & 0xFF).to(tl.float32) + OFFSET * s
+        f = b_2 >> (16 * ((o_run // 32) % 2))
+        s = _half(b_1 & 0xFFFF) * (f & 0xFF).to(tl.float32)
+        c = _half((b_1 >> 16) & 0xFFFF) * ((f >> 8) & 0xFF).to(tl.float32) + OFFSET * s
     return s, c
+
+
+# scale groups `packed_mm` takes a step (32 columns of q4_k / q5_k, 16 of q6_k each). An H100, 8 layers of the 30B
+# shape in q4_k, tok/s at 1 / 8 / 64 rows: 1 group 745 / 2,990 / 9,448; 2: 740 / 2,902 / 9,124; 4: 769 / 2,784 /
+# 8,903 (more registers a program: 128 and more against 107)
+GROUPS_A_STEP = tl.constexpr(1)
+
+
+@triton.jit
+def _step_scales(p_wr, m_s, k0, k_hi, K, FMT: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr):
+    """The scale fields (`_group_scales`) of the NG groups from column k0 on, a tuple of NG ([1, BN], [1, BN])
+    pairs; groups at or past k_hi load as 0 (scale 0: they add nothing)."""
+    o_1 = tl.arange(0, 1)
+    t = ()
+    for j in tl.static_range(NG):
+        o_g = k0 + j * GS + o_1
+        t = t + (_group_scales(p_wr, m_s & (o_g < k_hi)[:, None], o_g, K, FMT),)
+    return t
+
+
+@triton.jit
+def _group_mm(b_x, p_wr, m_n, k, K, scales, acc, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GS: tl.constexpr,
+              OFFSET: tl.constexpr):
+    """acc plus one scale group's product: x [BM, GS] (b_sum: its rows' sums, [BM, 1] float32) times the codes of
+    columns k .. k + GS of the rows at p_wr, scaled by the group's fields `scales`."""
+    DT: tl.constexpr = b_x.dtype
+    b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k, K, FMT, 1, GS, DT), [BLOCK_N, GS]))  # [GS, BN]
+    # the rows' sums by the tensor cores too, against ones made from the codes' tile so that both products take
+    # x in one layout (a constant tile gets another, and Triton's pipeline then loads x without asynchronous copies)
+    ones = b_q * 0.0 + 1.0
+    if DT == tl.float32:
+        part = tl.dot(b_x, b_q, input_precision="ieee")
+        b_sum = tl.dot(b_x, ones, input_precision="ieee")
+    else:
+        part = tl.dot(b_x, b_q)
+        b_sum = tl.dot(b_x, ones)
+    s, c = _scale_terms(scales[0], scales[1], k + tl.arange(0, 1)[:, None], K, FMT, OFFSET)
+    acc += part * s
+    acc -= b_sum * c
+    return acc
+
+
+@triton.jit
+def _packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, X_CG: tl.constexpr, TWO: tl.constexpr):
+    """`packed_mm` over one weight (rows at p_wr) or, TWO, over two (p_wr and p_wr2) that share x and each step's
+    x loads; returns (acc, acc2), acc2 zeros unless TWO."""
+    DT: tl.constexpr = p_xr.dtype.element_ty
+    GS: tl.constexpr = 16 if FMT == 5 else 32
+    NG: tl.constexpr = GROUPS_A_STEP
+    OFFSET: tl.constexpr = _code_offset(DT)
+    o_c = tl.arange(0, GS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    m_x = m_m[:, None]
+    m_s = m_n[None, :]
+    # a step's scale fields are loaded one step ahead, after the step that uses the ones before them: Triton's
+    # pipeline prefetches only the loads that feed the tensor cores (the codes, x), not these (they feed the
+    # float32 sums); a step of NG groups leaves one trip to memory for them a step, not one a group
+    n_s = _step_scales(p_wr, m_s, k_lo, k_hi, K, FMT, GS, NG)
+    n_s2 = n_s
+    if TWO:
+        n_s2 = _step_scales(p_wr2, m_s, k_lo, k_hi, K, FMT, GS, NG)
+    for k0 in range(k_lo, k_hi, NG * GS):
+        b_s, b_s2 = n_s, n_s2
+        for j in tl.static_range(NG):
+            k = k0 + j * GS
+            m_k = k < k_hi  # a step past k_hi (a chunk of K not a whole number of steps): x 0, codes not read
+            o_x = p_xr[:, None] + k + o_c[None, :]  # [BM, GS]
+            if X_CG:
+                b_x = tl.load(o_x, mask=m_x & m_k, other=0.0, cache_modifier=".cg")
+            else:
+                b_x = tl.load(o_x, mask=m_x & m_k, other=0.0)
+            acc = _group_mm(b_x, p_wr, m_n & m_k, k, K, b_s[j], acc, FMT, BLOCK_N, GS, OFFSET)
+            if TWO:
+                acc2 = _group_mm(b_x, p_wr2, m_n & m_k, k, K, b_s2[j], acc2, FMT, BLOCK_N, GS, OFFSET)
+        n_s = _step_scales(p_wr, m_s, k0 + NG * GS, k_hi, K, FMT, GS, NG)
+        if TWO:
+            n_s2 = _step_scales(p_wr2, m_s, k0 + NG * GS, k_hi, K, FMT, GS, NG)
+    return acc, acc2
 
 
 @triton.jit
@@ -256,53 +339,29 @@ def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: t
     """float32 [BLOCK_M, BLOCK_N]: sum over columns [k_lo, k_hi) of x[m, k] * w[n, k], for the x rows at p_xr ([BM]
     pointers to each row's first element, masked by m_m) and the packed weight rows whose records start at p_wr
     ([BN] uint8 pointers, masked by m_n) of a q4_k, q5_k or q6_k weight of K columns. k_lo, k_hi: multiples of
-    the scale group (a step is one group). X_CG: x read from L2 (`_down_tile`'s h).
+    the scale group. X_CG: x read from L2 (`_down_tile`'s h). `packed_mm2`: two weights over the same x.
 
     Each scale group's products are taken with the integer codes themselves (offset into the activations' dtype by
     an or: `_halves`), and the group's scale is applied to the group's sum after the dot, in float32: w = s * code
     - c, so x . w = s * (x . (OFFSET + code)) - (c + OFFSET * s) * sum(x). A tile costs a shift, a mask and an or
-    per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is one
-    more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its
-    rounding is not there: they are nearer the float reference), but a row's are the same whatever the other rows
-    are: the groups are added in one order.
+    per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is
+    one more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its rounding is not there:
+    they are nearer the float reference), but a row's are the same whatever the other rows are: the groups are
+    added in one order.
 
-    One scale group a step, every tile 2-D: on an H100 with Triton 3.6 this ran as fast as `packed_tile`'s
-    dequantized tiles (q4_k, 8 layers of the 30B shape: 640 / 2,632 / 8,358 tok/s at 1 / 8 / 64 rows against 642 /
-    2,658 / 8,384), where a 3-D version with a step's four groups side by side ([G, BM, BN] sums), half the
-    instructions a column again, was 10-20 % slower: Triton 3.6 loaded its 3-D operands without the pipeline's
-    asynchronous copies (docs/perf-log.md, twenty-eighth session)."""
-    DT: tl.constexpr = p_xr.dtype.element_ty
-    GS: tl.constexpr = 16 if FMT == 5 else 32
-    OFFSET: tl.constexpr = _code_offset(DT)
-    o_c = tl.arange(0, GS)
-    o_1 = tl.arange(0, 1)
-    ones = tl.full([GS, BLOCK_N], 1.0, DT)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    m_x = m_m[:, None]
-    m_s = m_n[None, :]
-    # a step's scales are loaded one step ahead: Triton's pipeline prefetches the loads that feed the tensor cores,
-    # not these (they feed the float32 sums), and a load waited for every step would cost a trip to memory a step
-    n_s1, n_s2 = _group_scales(p_wr, m_s, k_lo + o_1 * GS, K, FMT)
-    for k0 in range(k_lo, k_hi, GS):
-        b_s1, b_s2 = n_s1, n_s2
-        o_next = k0 + GS + o_1
-        n_s1, n_s2 = _group_scales(p_wr, m_s & (o_next < k_hi)[:, None], o_next, K, FMT)
-        o_x = p_xr[:, None] + k0 + o_c[None, :]  # [BM, GS]
-        if X_CG:
-            b_x = tl.load(o_x, mask=m_x, other=0.0, cache_modifier=".cg")
-        else:
-            b_x = tl.load(o_x, mask=m_x, other=0.0)
-        b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k0, K, FMT, 1, GS, DT), [BLOCK_N, GS]))  # [GS, BN]
-        if DT == tl.float32:
-            part = tl.dot(b_x, b_q, input_precision="ieee")
-            b_sum = tl.dot(b_x, ones, input_precision="ieee")
-        else:
-            part = tl.dot(b_x, b_q)
-            b_sum = tl.dot(b_x, ones)
-        s, c = _scale_terms(b_s1, b_s2, FMT, OFFSET)
-        acc += part * s
-        acc -= b_sum * c
-    return acc
+    A step takes GROUPS_A_STEP groups (2-D products, one a group) and loads the next step's scale fields as whole
+    32-bit words (`_group_scales`): loaded as the bytes and halves they are, they were repacked into the loop's
+    registers at the end of each step, which then waited a trip to memory for them (the sm_90 code showed it),
+    and a q4_k expert layer at one row took ~100 us (now ~80; docs/perf-log.md, twenty-ninth session)."""
+    return _packed_mm2(p_xr, m_m, p_wr, p_wr, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, X_CG, False)[0]
+
+
+@triton.jit
+def packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """`packed_mm` over two weights of one format and shape (the experts' gate and up rows) that share x: one loop,
+    each step's x loaded once; returns the two [BLOCK_M, BLOCK_N] sums."""
+    return _packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, False, True)
 
 
 @triton.jit
