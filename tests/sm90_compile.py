@@ -12,7 +12,8 @@ multiples of 16 except the ones a case names as plain (counts) or as 1 (unit str
 backend files, not a GPU. Run as a script it prints one JSON object per kernel; `test_triton_compile.py` runs it in
 a process of its own (the tests import triton under the interpreter, which replaces the compiler's kernels).
 
-    python tests/sm90_compile.py
+    python tests/sm90_compile.py        # every case
+    python tests/sm90_compile.py 0/2    # every second case from the first (the test runs two such processes)
 """
 
 from __future__ import annotations
@@ -254,8 +255,9 @@ def cases():
     return [(label, "decode" if i < decode else "prompt", kernel, kw) for i, (label, kernel, kw) in enumerate(out)]
 
 
-def main() -> None:
-    for label, window, kernel, kw in cases():
+def main(part: int = 0, parts: int = 1) -> None:
+    """Prints each case's result; `part` of `parts`: every parts-th case from the part-th (processes in parallel)."""
+    for label, window, kernel, kw in cases()[part::parts]:
         try:
             result = dict(kernel=label, window=window, **compile_sm90(kernel, **kw))
         except Exception as e:  # noqa: BLE001 - reported per kernel, the caller decides
@@ -267,4 +269,4 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiler's kernels")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    main()
+    main(*map(int, sys.argv[1].split("/"))) if len(sys.argv) > 1 else main()
