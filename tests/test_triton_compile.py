@@ -18,9 +18,9 @@ def test_kernels_compile_for_sm90_and_decode_kernels_do_not_spill(tmp_path):
     parts = 2  # two processes, each compiling every second case (CI's two cores)
     runs = [subprocess.Popen([sys.executable, str(script), f"{i}/{parts}"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env) for i in range(parts)]
+    outputs = [run.communicate(timeout=900) for run in runs]  # both finished before either is judged
     results = []
-    for run in runs:
-        out, err = run.communicate(timeout=900)
+    for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, err[-3000:]
         results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(results) >= 35 and {r["window"] for r in results} == {"decode", "prompt"}, results

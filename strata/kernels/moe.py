@@ -18,7 +18,8 @@ import triton.language as tl
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import SCALED_AFTER, grid_words, packed_mm, packed_mm2, packed_tile, plain_weight, project, scaled_after
+from strata.kernels.packed import (SCALED_AFTER, grid_words, packed_mm, packed_mm2, packed_tile, plain_weight, project,
+                                   scaled_after)
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
 

@@ -118,7 +118,7 @@ def packed_tile(p_w, o_n, m_n, k0, K, s_row, p_grid, FMT: tl.constexpr, BLOCK_K:
         o_sup = o_run // 256  # each run's super-block
         if FMT == 5:  # q6_k: codes [K/2] | top bits [K/4] | d f16 [K/256] | scales i8 [K/16]
             d = _half(_field(p_r, K // 2 + K // 4 + o_sup * 2, m, 2))
-            sc = _field(p_r, K // 2 + K // 4 + K // 128 + o_run // 16, m, 1).to(tl.int8).to(tl.float32)
+            sc = _field(p_r, _q6k_scale_byte(o_run, K), m, 1).to(tl.int8).to(tl.float32)
             w = (d * sc)[:, :, None] * (b_c - 32.0)
         else:  # q4_k, q5_k: codes [K/2] | (d, dmin) f16 [K/256, 2] | (scale, min) u8 [K/32, 2] | fifth bits [K/8]
             d = _half(_field(p_r, K // 2 + o_sup * 4, m, 2))
@@ -221,6 +221,12 @@ def _codes(p_wr, m_w, k0, K, FMT: tl.constexpr, G: tl.constexpr, TG: tl.constexp
 
 
 @triton.jit
+def _q6k_scale_byte(o_run, K):
+    """The byte offset in a q6_k record of the scale of the 16-column group at column o_run."""
+    return K // 2 + K // 4 + K // 128 + o_run // 16
+
+
+@triton.jit
 def _group_scales(p_wr, m_s, o_run, K, FMT: tl.constexpr):
     """int32 [G, BN]: the aligned 32-bit words holding the scale fields of the groups starting at columns o_run
     ([G]) of each row (q4_k, q5_k: the super-block's (d, dmin) word and the word holding the group's (scale, min)
@@ -230,7 +236,7 @@ def _group_scales(p_wr, m_s, o_run, K, FMT: tl.constexpr):
     p_32 = p_wr.to(tl.pointer_type(tl.int32))[None, :]
     if FMT == 5:
         b_1 = tl.load(p_32 + ((K // 2 + K // 4) // 4 + o_run // 512)[:, None], mask=m_s, other=0)
-        b_2 = tl.load(p_32 + ((K // 2 + K // 4 + K // 128 + o_run // 16) // 4)[:, None], mask=m_s, other=0)
+        b_2 = tl.load(p_32 + (_q6k_scale_byte(o_run, K) // 4)[:, None], mask=m_s, other=0)
     else:
         b_1 = tl.load(p_32 + (K // 8 + o_run // 256)[:, None], mask=m_s, other=0)
         b_2 = tl.load(p_32 + (K // 8 + K // 256 + o_run // 64)[:, None], mask=m_s, other=0)
@@ -243,7 +249,7 @@ def _scale_terms(b_1, b_2, o_run, K, FMT: tl.constexpr, OFFSET: tl.constexpr):
     weights are s * code - c, and c takes in the OFFSET the codes carry (`_halves`)."""
     if FMT == 5:
         d = _half(b_1 >> (16 * ((o_run // 256) % 2)))
-        sc = (b_2 << (24 - 8 * ((K // 2 + K // 4 + K // 128 + o_run // 16) % 4))) >> 24  # the scale byte, signed
+        sc = (b_2 << (24 - 8 * (_q6k_scale_byte(o_run, K) % 4))) >> 24  # the scale byte, signed
         s = d * sc.to(tl.float32)
         c = s * (OFFSET + 32.0)
     else:
@@ -274,8 +280,8 @@ def _step_scales(p_wr, m_s, k0, k_hi, K, FMT: tl.constexpr, GS: tl.constexpr, NG
 @triton.jit
 def _group_mm(b_x, p_wr, m_n, k, K, scales, acc, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GS: tl.constexpr,
               OFFSET: tl.constexpr):
-    """acc plus one scale group's product: x [BM, GS] (b_sum: its rows' sums, [BM, 1] float32) times the codes of
-    columns k .. k + GS of the rows at p_wr, scaled by the group's fields `scales`."""
+    """acc plus one scale group's product: x [BM, GS] times the codes of columns k .. k + GS of the rows at p_wr,
+    scaled by the group's fields `scales` (`_group_scales`' words)."""
     DT: tl.constexpr = b_x.dtype
     b_q = tl.trans(tl.reshape(_codes(p_wr, m_n, k, K, FMT, 1, GS, DT), [BLOCK_N, GS]))  # [GS, BN]
     # the rows' sums by the tensor cores too, against ones made from the codes' tile so that both products take
@@ -344,10 +350,10 @@ def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: t
     Each scale group's products are taken with the integer codes themselves (offset into the activations' dtype by
     an or: `_halves`), and the group's scale is applied to the group's sum after the dot, in float32: w = s * code
     - c, so x . w = s * (x . (OFFSET + code)) - (c + OFFSET * s) * sum(x). A tile costs a shift, a mask and an or
-    per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is
-    one more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its rounding is not there:
-    they are nearer the float reference), but a row's are the same whatever the other rows are: the groups are
-    added in one order.
+    per two columns, where dequantizing it (`packed_tile`) costs a dozen operations a column; the sum of x is one
+    more tensor-core product (against ones). The sums are not those of the weight dequantized to x's dtype (its
+    rounding is not there: they are nearer the float reference), but a row's are the same whatever the other rows
+    are: the groups are added in one order.
 
     A step takes GROUPS_A_STEP groups (2-D products, one a group) and loads the next step's scale fields as whole
     32-bit words (`_group_scales`): loaded as the bytes and halves they are, they were repacked into the loop's
