@@ -35,7 +35,6 @@ def build_engine(model: str, settings: dict[str, Any]):
     """An Engine for `settings` (EngineSettings keys), through EngineSettings so the values are checked as
     `strata serve` checks them."""
     from strata.config import EngineSettings
-    from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine
 
     s = EngineSettings(**{**settings, "model": model})
@@ -45,7 +44,7 @@ def build_engine(model: str, settings: dict[str, Any]):
     missing = [k for k in extra if k not in accepted]
     if missing:
         raise Unmeasurable(f"this build's engine takes no {', '.join('--' + k.replace('_', '-') for k in missing)}")
-    return Engine(ModelFiles.open(model), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
+    return Engine(s.open_model(), device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                   max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs, **extra)
 
 

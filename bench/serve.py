@@ -38,6 +38,8 @@ with SmolLM2's tokenizer (hence `--vocab 49152`: every generated id decodes to t
     # a GPU
     python bench/serve.py --shape qwen3-30b-a3b --layers 24 --device cuda --batch 64 --concurrency 1,8,16,32,64 \\
         --max-cells 8192 --json serve.json
+    # the same weights quantized to Q4_K as they load (`strata serve --quantization q4_k`), on both sides
+    python bench/serve.py --shape qwen3-30b-a3b --layers 24 --device cuda --quantization q4_k ...
 """
 
 from __future__ import annotations
@@ -94,6 +96,14 @@ def prompts(tag: str, count: int, length: int, vocab: int) -> list[list[int]]:
 # the server
 
 
+def open_model(model: str, args):
+    """The model as the server's engine opens it (with --quantization's quantizer)."""
+    from strata.model.loader import ModelFiles
+
+    quantization = getattr(args, "quantization", None)
+    return ModelFiles.open(model, quantization, args.device if quantization else None)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,6 +119,8 @@ def engine_flags(args) -> list[str]:
         flags += ["--spec", args.spec, "--spec-max-active", "256"]
     if getattr(args, "park_vram_gb", 0):
         flags += ["--park-vram-gb", str(args.park_vram_gb)]
+    if getattr(args, "quantization", None):
+        flags += ["--quantization", args.quantization]
     return flags
 
 
@@ -565,12 +577,11 @@ def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[li
                    stall_streams: int) -> dict:
     """The same waves and stall case through the engine in this process: `Engine` + `Scheduler` (+ `warm_up`), as
     `strata engine` runs them, protocol lines in, events out."""
-    from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine
     from strata.runtime.scheduler import Scheduler
     from strata.runtime.warmup import warm_up
 
-    engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
+    engine = Engine(open_model(model, args), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
                     max_window_tokens=args.max_window_tokens)
     scheduler = Scheduler(engine, args.batch, lambda line: None)
     warm_up(scheduler.slots)
@@ -643,7 +654,7 @@ def alternate(model: str, args, vocab: int) -> None:
         own = dict(zip([name for name, _ in order] + ["fresh"], (h.get("ttft_s") for h in history)))
     finally:
         server.stop()
-    engine = Engine(ModelFiles.open(model), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
+    engine = Engine(open_model(model, args), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
                     max_window_tokens=args.max_window_tokens, checkpoint_every=0,  # the CLI's parking settings
                     park_vram_gb=args.park_vram_gb)
     scheduler = Scheduler(engine, 1, lambda line: None)
@@ -742,6 +753,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-tokenizer", metavar="DIR", help="only write SmolLM2's tokenizer files into DIR, then exit")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["q8_0", "q4_k", "q5_k", "q6_k", "iq3_s", "fp8"],
+                   help="the server's and the anchor's --quantization: the float weights quantized as they load")
     p.add_argument("--batch", type=int, default=64, help="slots of the server and of the in-process engine")
     p.add_argument("--max-cells", type=int, default=4096)
     p.add_argument("--max-window-tokens", type=int, help="default: the engine's for the device")

@@ -52,7 +52,8 @@ def served_name(settings: ServeSettings, files: ModelFiles) -> str:
 
 
 def create_app(settings: ServeSettings) -> FastAPI:
-    files = ModelFiles.open(settings.model)  # config and tokenizer only: the engine process loads the weights
+    # config and tokenizer only (the engine process loads the weights); a --quantization it cannot apply fails here
+    files = ModelFiles.open(settings.model, settings.quantization)
     name = served_name(settings, files)
     max_cells = min(settings.max_cells, files.spec.max_positions)
     metrics = Metrics(name, max_cells, settings.batch)

@@ -31,14 +31,13 @@ def _prompt_ids(s: GenerateSettings, tokenizer) -> list[int]:
 
 
 def run_generate(s: GenerateSettings) -> None:
-    from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine
     from strata.runtime.sampling import SamplingParams
 
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed)
     params.validate()
     start = time.perf_counter()
-    files = ModelFiles.open(s.model)
+    files = s.open_model()
     prompt = _prompt_ids(s, files.tokenizer)
     engine = Engine(files, device=s.torch_device(), dtype=s.torch_dtype(), max_cells=s.max_cells,
                     max_window_tokens=s.max_window_tokens, kernels=s.kernels, cuda_graphs=s.cuda_graphs,
@@ -90,7 +89,6 @@ def _packed_workers(files, s: EngineSettings) -> dict:
 
 
 def run_engine(s: EngineSettings) -> None:
-    from strata.model.loader import ModelFiles
     from strata.runtime.generate import Engine, default_window_tokens
     from strata.runtime.pipe import Pipe
     from strata.runtime.precompile import start_compile_workers
@@ -105,7 +103,7 @@ def run_engine(s: EngineSettings) -> None:
     exit_with_parent()  # started by `strata serve`: never outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
-    files = ModelFiles.open(s.model)
+    files = s.open_model()
     workers = start_compile_workers(
         files.spec, device=s.torch_device(), dtype=s.torch_dtype(), kernels=s.kernels, max_cells=s.max_cells,
         max_window_tokens=s.max_window_tokens or default_window_tokens(s.torch_device()), num_slots=s.batch,

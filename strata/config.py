@@ -84,6 +84,11 @@ class EngineSettings(StrataSettings):
         False, description="a quantized checkpoint's weights (GGUF Q8_0 / Q4_K / Q5_K / Q6_K / IQ3_S, FP8) dequantized to "
         "--dtype at load instead of kept packed for the triton kernels (more memory; for comparison)"
     )
+    quantization: Literal["q8_0", "q4_k", "q5_k", "q6_k", "iq3_s", "fp8"] | None = Field(
+        None, description="a float checkpoint's matrices (projections, experts, head) quantized to this format as they "
+        "load (plain roundings, as GGUF's types and FP8 blocks store them), kept packed for the triton kernels; "
+        "refused for a checkpoint stored quantized"
+    )
     layer_split: str | None = Field(
         None, description="layers per stage, e.g. 12,12,12,12 (or proportions, e.g. 3,2); stages on cuda:0..n-1"
     )
@@ -204,6 +209,12 @@ class EngineSettings(StrataSettings):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise StrataError(f"--device {self.device}: no CUDA GPU is visible here; use --device cpu")
         return device
+
+    def open_model(self):
+        """The checkpoint of --model opened (`ModelFiles`), read through --quantization's quantizer if set."""
+        from strata.model.loader import ModelFiles
+
+        return ModelFiles.open(self.model, self.quantization, self.torch_device() if self.quantization else None)
 
     def stage_options(self) -> dict:
         """The layer-split settings, as `Engine` takes them."""

@@ -56,8 +56,13 @@ class ModelFiles:
     tokenizer: Tokenizer | None
 
     @classmethod
-    def open(cls, model: str | Path) -> "ModelFiles":
+    def open(cls, model: str | Path, quantization: str | None = None,
+             device: torch.device | str | None = None) -> "ModelFiles":
+        """`quantization`: a float checkpoint's matrices quantized in this packed format as they load
+        (`strata.quant.online`; vLLM's `--quantization`), on `device`; refused for a checkpoint stored quantized."""
         ckpt = open_checkpoint(resolve_model_path(model))
+        if quantization is not None:
+            ckpt = quantizing(ckpt, quantization, device)
         family, spec = build_spec(ckpt.config, str(ckpt.path))
         mtp = count_mtp_layers(ckpt.names())
         if mtp != spec.num_mtp_layers:
@@ -88,6 +93,21 @@ class ModelFiles:
             first=layers.start == 0, last=layers.stop == self.spec.num_layers, trim=trim, resident=resident,
             packed=packed, split_packed=split_packed,
         )
+
+
+def quantizing(ckpt: Checkpoint, fmt: str, device: torch.device | str | None = None):
+    """`ckpt` read through `QuantizingCheckpoint`, or a `CheckpointError` saying why it cannot be."""
+    from strata.quant.online import QuantizingCheckpoint, stored_quantized
+    from strata.quant.packed import FORMATS
+
+    if fmt not in FORMATS:
+        raise CheckpointError(f"--quantization {fmt!r} is not a format Strata quantizes to (known: {', '.join(FORMATS)})")
+    stored = stored_quantized(ckpt)
+    if stored:
+        raise CheckpointError(
+            f"--quantization {fmt}: {ckpt.path} is stored quantized already ({', '.join(stored)}); serve it as it "
+            "is (its quantized weights stay packed on the GPU), or pass a checkpoint of float weights")
+    return QuantizingCheckpoint(ckpt, fmt, device)
 
 
 class _ShapesOnly:

@@ -80,8 +80,11 @@ class _Reader:
 
     def matrix(self, name: str, shape: tuple[int, ...], device: torch.device | None = None,
                packed: bool = True) -> torch.Tensor | PackedWeight:
-        """A projection's or experts' weight: packed when the reader packs and the checkpoint stores it so."""
-        if not (self.packed and packed):
+        """A projection's or experts' weight: packed when the reader packs and the checkpoint stores it so. A
+        checkpoint that quantizes as it loads (`strata.quant.online`) gives its quantized values either way:
+        written out in the reader's dtype where the weight is not kept packed."""
+        keep = self.packed and packed
+        if not keep and not getattr(self.ckpt, "quantizes", False):
             return self.get(name, shape, device=device)
         if name not in self.names:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
@@ -93,6 +96,9 @@ class _Reader:
         if tuple(w.shape) != tuple(shape):
             raise CheckpointError(
                 f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+        if not keep:
+            self.dequantized[kind] += 1
+            return self.plain(w).to(device or self.device).contiguous()
         self.kept[kind] += 1
         w = w.to(device or self.device)
         self._stored[id(w)] = kind
@@ -114,9 +120,12 @@ class _Reader:
         return pk.dequantize(w).to(self.dtype) if isinstance(w, PackedWeight) else w
 
     def summary(self) -> str | None:
-        if not self.packed or not (self.kept or self.dequantized):
+        if not (self.packed or getattr(self.ckpt, "quantizes", False)) or not (self.kept or self.dequantized):
             return None
         say = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
+        if getattr(self.ckpt, "quantizes", False):
+            return (f"matrices quantized as they load (--quantization): kept packed on the device: {say(self.kept)}; "
+                    f"written out in {str(self.dtype).removeprefix('torch.')}: {say(self.dequantized)}")
         return f"weights kept quantized on the device: {say(self.kept)}; dequantized at load: {say(self.dequantized)}"
 
     def has(self, name: str) -> bool:

@@ -49,13 +49,33 @@ def quantize_weight(w: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat
     return from_gguf(quantize(w, GGUF_TYPE[fmt]), GGUF_TYPE[fmt], tuple(w.shape), dtype)
 
 
-class QuantizingCheckpoint:
-    """`inner`'s tensors, its matrices quantized in `fmt` when the loader asks for them packed."""
+FLOAT_KINDS = {"F64", "F32", "F16", "BF16", "float64", "float32", "float16", "bfloat16"}
 
-    def __init__(self, inner, fmt: str):
+
+def stored_quantized(ckpt) -> list[str]:
+    """The quantized storage types among a checkpoint's tensors (GGUF block types, float8), by `qtype_name`;
+    empty for a checkpoint of float (and integer) tensors."""
+    kinds = {ckpt.qtype_name(name) for name in ckpt.names()}
+    if getattr(ckpt, "quantization", None) is not None:
+        kinds.add("quantization_config")
+    return sorted(k for k in kinds if k not in FLOAT_KINDS and not k.lower().startswith(("i", "uint", "bool", "?")))
+
+
+class QuantizingCheckpoint:
+    """`inner`'s tensors, its matrices quantized in `fmt` as the loader reads them: packed where the loader keeps
+    them packed, and written out again (the same quantized values) where it does not, so that a model served
+    with `--quantization` has the same weights on every device and kernel path.
+
+    `device`: where the quantizing runs (a GPU quantizes a layer's experts in milliseconds; the tensors are read
+    to the host first either way)."""
+
+    quantizes = True  # the loader reads every matrix through `load_packed` (`strata.model.weights._Reader`)
+
+    def __init__(self, inner, fmt: str, device: torch.device | str | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"quantization {fmt!r} is unknown (known: {', '.join(FORMATS)})")
         self.inner, self.fmt = inner, fmt
+        self.device = torch.device(device) if device is not None else None
         self.path: Path = inner.path
         self.config: dict = inner.config
 
@@ -79,7 +99,13 @@ class QuantizingCheckpoint:
         shape = tuple(self.inner.shape(name))
         if not self.fits(shape):
             return None
-        return quantize_weight(self.inner.load(name, dtype), self.fmt, dtype)  # (each block scaled in float32)
+        w = self.inner.load(name, dtype)
+        if self.device is not None:
+            w = w.to(self.device)
+        return quantize_weight(w, self.fmt, dtype)  # (each block scaled in float32)
+
+    def packed_format(self, name: str) -> str | None:
+        return self.fmt if self.fits(tuple(self.inner.shape(name))) else None
 
     def qtype_name(self, name: str) -> str:
         return self.fmt if self.fits(tuple(self.inner.shape(name))) else "float"

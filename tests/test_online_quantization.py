@@ -1,0 +1,112 @@
+"""`--quantization FMT`: a float checkpoint's matrices quantized as they load (`strata.quant.online`).
+
+The same quantized values on every path: the torch path (which writes them out in the compute dtype) gives, bit for
+bit, the logits of a checkpoint whose matrices were replaced by their dequantized quantization, and that checkpoint
+under `transformers` agrees; the Triton kernels (under the interpreter) keep them packed and decode the same greedy
+tokens. A checkpoint stored quantized is refused, through the CLI with exit 2, before anything loads."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from strata.errors import CheckpointError  # noqa: E402
+from strata.model.loader import ModelFiles  # noqa: E402
+from strata.quant.online import quantize_weight  # noqa: E402
+from strata.quant.packed import PackedWeight, dequantize  # noqa: E402
+from strata.runtime.generate import Engine  # noqa: E402
+from tests.tiny_models import VOCAB, build  # noqa: E402
+
+SIZES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, num_hidden_layers=1, num_experts=4, num_experts_per_tok=2)
+PROMPT = [(i * 29 + 5) % VOCAB for i in range(8)]
+
+
+def is_matrix(name: str) -> bool:
+    """The tensors the loader reads as matrices (projections, experts, head): what --quantization quantizes."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint, and per format its twin whose matrices hold their quantized values."""
+    base = tmp_path_factory.mktemp("float")
+    build("qwen3_moe-gqa4", base, **SIZES)
+    tensors = load_file(base / "model.safetensors")
+    twins = {}
+    for fmt in ("q4_k", "q8_0"):
+        twin = tmp_path_factory.mktemp(fmt)
+        for f in base.iterdir():
+            if f.name != "model.safetensors":
+                (twin / f.name).write_bytes(f.read_bytes())
+        save_file({k: dequantize(quantize_weight(v.to(torch.float32), fmt, torch.float32)).to(v.dtype).contiguous()
+                   if is_matrix(k) else v for k, v in tensors.items()}, twin / "model.safetensors")
+        twins[fmt] = twin
+    return base, twins
+
+
+def logits(engine: Engine) -> torch.Tensor:
+    state = engine.new_state()
+    return engine.run(state, PROMPT, all_logits=True)
+
+
+def greedy(engine: Engine, n: int = 4) -> list[int]:
+    return engine.generate(PROMPT, n).ids
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
+def test_torch_path_is_the_quantized_checkpoint(folders, fmt):
+    base, twins = folders
+    quantized = Engine(ModelFiles.open(base, fmt), dtype=torch.float32, kernels="torch", max_cells=64)
+    twin = Engine(ModelFiles.open(twins[fmt]), dtype=torch.float32, kernels="torch", max_cells=64)
+    plain = Engine(ModelFiles.open(base), dtype=torch.float32, kernels="torch", max_cells=64)
+    got, want, original = logits(quantized), logits(twin), logits(plain)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, original)  # the quantization did change the weights
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(twins[fmt], torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        expect = ref(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_kernels_keep_them_packed(folders):
+    base, twins = folders
+    packed = Engine(ModelFiles.open(base, "q8_0"), dtype=torch.float32, kernels="triton", max_cells=64,
+                    cuda_graphs=False)
+    kept = {k for k, w in packed.weights.layers[0].items() if isinstance(w, PackedWeight) and w.fmt == "q8_0"}
+    assert {"qkv", "o"} <= kept and any("gate_up" in k for k in kept), kept
+    assert isinstance(packed.weights.lm_head, PackedWeight)
+    twin = Engine(ModelFiles.open(twins["q8_0"]), dtype=torch.float32, kernels="torch", max_cells=64)
+    assert greedy(packed) == greedy(twin)
+
+
+def test_a_stored_quantized_checkpoint_is_refused():
+    from strata.model.loader import default_model_path
+
+    with pytest.raises(CheckpointError, match=r"stored quantized already \(.*Q4_1"):
+        ModelFiles.open("default", "q4_k")
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "--prompt", "hi", "--max-tokens", "1",
+                          "--quantization", "q8_0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "--quantization q8_0" in out.stderr and str(default_model_path()) in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "--prompt", "hi", "--quantization", "q3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "quantization" in out.stderr, out.stderr
+
+
+def test_the_server_passes_it_to_its_engine():
+    from serve.config import ServeSettings
+    from serve.engine_client import engine_argv
+
+    argv = engine_argv(ServeSettings(model="some/folder", quantization="q4_k"))
+    assert argv[argv.index("--quantization") + 1] == "q4_k"
