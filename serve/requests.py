@@ -212,7 +212,7 @@ def tokenize_ids(body: TokenizeRequest, tokenizer: Tokenizer, family: str | None
 def check_prompt(ids: list[int], limits: Limits) -> None:
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    if any(not 0 <= i < limits.vocab_size for i in ids):
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:  # two C loops (a generator: ~0.2 ms at 4K ids)
         raise APIError(400, f"a prompt token id is outside the vocabulary (0..{limits.vocab_size - 1})", param="prompt")
     if len(ids) >= limits.max_cells:
         raise APIError(400, f"This model's maximum context length is {limits.max_cells} tokens. However, your prompt "
