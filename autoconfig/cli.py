@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
                     "`strata autoconfig facts` prints this machine's facts.")
     p.add_argument("--model", help="a Hugging Face model folder, a .gguf file, or 'default' (default: the model in "
                                    "--facts, else 'default')")
+    p.add_argument("--quantization", choices=["q8_0", "q4_k", "q5_k", "q6_k", "iq3_s", "fp8"],
+                   help="the model will be served with `--quantization` (its float matrices quantized as they load): "
+                        "count them at that format's packed size, and propose it")
     p.add_argument("--facts", metavar="FILE", help="recorded facts (JSON: a machine, or machine + model) instead of "
                                                    "reading this machine")
     p.add_argument("--context", type=int, metavar="N",
@@ -82,9 +85,10 @@ def _autoconfig(args: argparse.Namespace) -> int:
     facts = Facts(machine=machine, model=model)
     model_ref = args.model or model.name
     if args.calibrate:
-        proposal = _calibrated(model_ref, facts, wishes, args.calibrate_windows)
+        proposal = _calibrated(model_ref, facts, wishes, args.calibrate_windows, args.quantization)
     else:
         proposal = propose(facts, wishes)
+        _quantized(proposal, args.quantization)
     if args.json:
         print(json.dumps({"settings": proposal.settings, "reasons": proposal.reasons, "env": proposal.env,
                           "notes": proposal.notes}, indent=2))
@@ -102,17 +106,31 @@ def _load(args: argparse.Namespace) -> tuple[MachineFacts, ModelFacts]:
         recorded = load_facts(args.facts)
         machine = recorded.machine if isinstance(recorded, Facts) else recorded
         if args.model is None and isinstance(recorded, Facts):
+            if args.quantization:
+                raise ValueError(f"--quantization {args.quantization}: the model in {args.facts} was counted when "
+                                 "its facts were recorded; pass --model to count it quantized")
             return machine, recorded.model
     else:
         machine = read_machine()
     # on a GPU the Triton kernels keep quantized weights packed: they count at their packed size
-    return machine, read_model(args.model or "default", packed=bool(machine.gpus))
+    from strata.model.loader import ModelFiles
+
+    files = ModelFiles.open(args.model or "default", args.quantization)
+    return machine, read_model(files, packed=bool(machine.gpus))
 
 
-def _calibrated(model_ref: str, facts: Facts, wishes: Wishes, windows: int) -> Proposal:
+def _quantized(proposal: Proposal, quantization: str | None) -> Proposal:
+    if quantization is not None:
+        proposal.settings["quantization"] = quantization
+        proposal.reasons["quantization"] = (f"asked for (--quantization): the float matrices quantized to "
+                                            f"{quantization} as they load, counted at that size")
+    return proposal
+
+
+def _calibrated(model_ref: str, facts: Facts, wishes: Wishes, windows: int, quantization: str | None = None) -> Proposal:
     from autoconfig.calibrate import calibrate, fastest, table
 
-    proposals = candidates(facts, wishes)
+    proposals = [_quantized(p, quantization) for p in candidates(facts, wishes)]
     print(f"calibrating {len(proposals)} candidates ({windows} decode windows each) ...", file=sys.stderr)
     measurements = calibrate(model_ref, proposals, wishes.concurrency, windows=windows)
     print(table(measurements))

@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from strata.errors import CheckpointError  # noqa: E402
 from strata.model.loader import ModelFiles  # noqa: E402
 from strata.quant.online import quantize_weight  # noqa: E402
-from strata.quant.packed import PackedWeight, dequantize  # noqa: E402
+from strata.quant.packed import PackedWeight, dequantize, row_bytes  # noqa: E402
 from strata.runtime.generate import Engine  # noqa: E402
 from tests.tiny_models import VOCAB, build  # noqa: E402
 
@@ -110,3 +111,19 @@ def test_the_server_passes_it_to_its_engine():
 
     argv = engine_argv(ServeSettings(model="some/folder", quantization="q4_k"))
     assert argv[argv.index("--quantization") + 1] == "q4_k"
+
+
+def test_autoconfig_counts_the_packed_sizes(folders):
+    from autoconfig.facts import read_model
+
+    base, _ = folders
+    plain, quantized = read_model(str(base), packed=True), read_model(ModelFiles.open(base, "q4_k"), packed=True)
+    # every expert matrix has K = 256: a q4_k row of 148 bytes padded to 16 (bf16: 512); the embedding stays
+    assert row_bytes("q4_k", 256) == 160
+    assert sum(quantized.expert_bytes) * 512 == sum(plain.expert_bytes) * 160
+    assert quantized.embed_bytes == plain.embed_bytes
+    out = subprocess.run([sys.executable, "-m", "autoconfig", "--model", str(base), "--quantization", "q4_k", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    proposal = json.loads(out.stdout)
+    assert proposal["settings"]["quantization"] == "q4_k" and "quantization" in proposal["reasons"]

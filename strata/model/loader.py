@@ -106,7 +106,7 @@ def quantizing(ckpt: Checkpoint, fmt: str, device: torch.device | str | None = N
     if stored:
         raise CheckpointError(
             f"--quantization {fmt}: {ckpt.path} is stored quantized already ({', '.join(stored)}); serve it as it "
-            "is (its quantized weights stay packed on the GPU), or pass a checkpoint of float weights")
+            "is, or pass a checkpoint of float weights")
     return QuantizingCheckpoint(ckpt, fmt, device)
 
 
