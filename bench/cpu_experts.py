@@ -1,0 +1,127 @@
+"""The CPU expert pool's products against a kernel of our own, on this host's CPU (issue 29's first goal).
+
+One window's experts at the Qwen3-30B-A3B shape (hidden 2048, expert width 768, bf16): E distinct experts, each
+with R rows, computed (a) as the pool computes them today, two oneDNN products an expert on weights in oneDNN's
+blocked layout (`strata.kernels.onednn`), and (b) by bench/cpu_kernels/experts_bf16.c, compiled here with
+`gcc -O3 -march=native -fopenmp` (AVX512_BF16 dot products; every expert of the window in one OpenMP region).
+Printed beside the host's read bandwidth over the same bytes (a torch sum, the roofline the issue measures
+against): microseconds an expert, GB/s of weights, the share of the roofline, the error against float64, and
+whether a row's output is bitwise the same alone as beside the others (row invariance).
+
+    python bench/cpu_experts.py                 # 8 experts, 1 and 8 rows, torch's threads
+    python bench/cpu_experts.py --experts 32 --rows 1,4,8 --threads 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.kernels import onednn  # noqa: E402
+from strata.kernels.elementwise import silu_mul  # noqa: E402
+
+SOURCE = Path(__file__).resolve().parent / "cpu_kernels" / "experts_bf16.c"
+H, I = 2048, 768
+
+
+def build() -> ctypes.CDLL | None:
+    out = Path(tempfile.mkdtemp()) / "experts_bf16.so"
+    run = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        print(f"the kernel did not build (it needs gcc and AVX512_BF16): {run.stderr.strip()[:300]}")
+        return None
+    return ctypes.CDLL(str(out))  # after torch: it shares torch's libgomp (same soname)
+
+
+def best(f, repeats: int = 9) -> float:
+    f()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--rows", default="1,8", help="rows per expert (at most 8 a pass of the kernel; more loop)")
+    p.add_argument("--threads", type=int, help="torch's (and so the kernel's OpenMP) threads")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib = build()
+    torch.manual_seed(0)
+    n = args.experts
+    gate_up = [torch.randn(2 * I, H, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+    down = [torch.randn(H, I, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+    blocked = [(onednn.block(g), onednn.block(d)) for g, d in zip(gate_up, down)] if onednn.available(torch.bfloat16) else None
+    nbytes = n * 3 * I * H * 2
+    big = torch.empty(nbytes // 4).normal_()
+    roof = nbytes / best(lambda: big.sum()) / 1e9
+    print(f"{n} experts of {3 * I * H * 2 / 1e6:.1f} MB (bf16), {torch.get_num_threads()} threads; host read {roof:.1f} GB/s")
+
+    def pool_way(x, counts):
+        ys, s = [], 0
+        for e, c in enumerate(counts):
+            v = x[s:s + c]
+            s += c
+            if blocked:
+                ys.append(onednn.linear(silu_mul(onednn.linear(v, blocked[e][0])), blocked[e][1]))
+            else:
+                ys.append(F.linear(silu_mul(F.linear(v, gate_up[e])), down[e]))
+        return torch.cat(ys).float()
+
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    gp, dp = ptrs(gate_up), ptrs(down)
+
+    def kernel_way(x, counts):
+        rows = x.shape[0]
+        start = torch.tensor([sum(counts[:e]) for e in range(n)], dtype=torch.int32)
+        count = torch.tensor(counts, dtype=torch.int32)
+        h, a = torch.empty(rows, 2 * I), torch.empty(rows, I, dtype=torch.bfloat16)
+        out = torch.empty(rows, H)
+        ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        lib.experts_bf16(n, ptr(gp), ptr(dp), ptr(start), ptr(count), ptr(x.contiguous()), ptr(h), ptr(a), ptr(out), H, I)
+        return out
+
+    def reference(x, counts):
+        ys, s = [], 0
+        for e, c in enumerate(counts):
+            v = x[s:s + c].double()
+            s += c
+            h = v @ gate_up[e].double().T
+            ys.append((F.silu(h[:, :I]) * h[:, I:]) @ down[e].double().T)
+        return torch.cat(ys)
+
+    ways = [("oneDNN" if blocked else "F.linear", pool_way)] + ([("kernel", kernel_way)] if lib else [])
+    print(f"{'rows':>4} {'way':>8} {'us/expert':>9} {'GB/s':>6} {'of roof':>7} {'rel err':>8} {'row alone == in block':>21}")
+    for r in (int(v) for v in args.rows.split(",")):
+        counts = [r] * n
+        x = torch.randn(r * n, H, dtype=torch.bfloat16)
+        ref = reference(x, counts)
+        for name, way in ways:
+            y = way(x, counts)
+            err = float((y.double() - ref).abs().max() / ref.abs().max())
+            alone = way(x[:1], [1] + [0] * (n - 1)) if name == "kernel" else way(x[:1], [1])
+            same = torch.equal(alone[0], y[0])
+            t = best(lambda: way(x, counts))
+            gbps = nbytes / t / 1e9
+            print(f"{r:>4} {name:>8} {t / n * 1e6:>9.0f} {gbps:>6.1f} {gbps / roof:>7.0%} {err:>8.1e} {str(same):>21}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+/* A candidate for the CPU expert pool (issue 29), measured by bench/cpu_experts.py against oneDNN: one window's
+   experts in one OpenMP region (gate_up products, silu(gate) * up rounded to bf16, down products), bf16 x bf16 dot
+   products accumulated in float32 (AVX512_BF16's vdpbf16ps). Each output (r, n) is summed in one fixed order
+   whatever the rows beside it, so a row's bits do not depend on its neighbours.
+
+   rows_R: y[r][n] = sum_k x[r][k] * w[n][k] for r < R, n in [n0, n1): x bf16 [R][ldx], w bf16 [N][K] (K a
+   multiple of 32), y float32 [R][ldy]; J weight rows a step, R and J compile-time so the R x J accumulators stay
+   in registers. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+
+#define ROWS(R, J)                                                                                              \
+static void rows_##R(const uint16_t *x, int ldx, const uint16_t *w, float *y, int K, int ldy, int n0, int n1) { \
+    int n = n0;                                                                                                 \
+    for (; n + J <= n1; n += J) {                                                                               \
+        __m512 acc[J][R];                                                                                       \
+        for (int j = 0; j < J; j++) for (int r = 0; r < R; r++) acc[j][r] = _mm512_setzero_ps();                \
+        const uint16_t *w0 = w + (size_t)n * K;                                                                 \
+        for (int k = 0; k < K; k += 32) {                                                                       \
+            __m512i wv[J];                                                                                      \
+            for (int j = 0; j < J; j++) wv[j] = _mm512_loadu_si512((const void *)(w0 + (size_t)j * K + k));     \
+            for (int r = 0; r < R; r++) {                                                                       \
+                __m512i xv = _mm512_loadu_si512((const void *)(x + (size_t)r * ldx + k));                       \
+                for (int j = 0; j < J; j++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)xv, (__m512bh)wv[j]); \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int j = 0; j < J; j++) for (int r = 0; r < R; r++)                                               \
+            y[(size_t)r * ldy + n + j] = _mm512_reduce_add_ps(acc[j][r]);                                       \
+    }                                                                                                           \
+}
+ROWS(1, 4) ROWS(2, 4) ROWS(3, 4) ROWS(4, 4) ROWS(5, 4) ROWS(6, 4) ROWS(7, 2) ROWS(8, 2)
+typedef void (*rows_fn)(const uint16_t *, int, const uint16_t *, float *, int, int, int, int);
+static const rows_fn ROWS_FN[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+#define BLOCK 64  /* weight rows a work unit */
+
+/* E experts: expert e's rows are x[start[e] .. start[e] + count[e]) (bf16 [P][H]); its gate_up bf16 [2I][H] at
+   address gate_up[e], its down bf16 [H][I] at down[e]. Scratch h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. */
+void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
+                  const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I) {
+    int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int u = 0; u < E * nb1; u++) {
+            int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
+            for (int r0 = 0; r0 < count[e]; r0 += 8) {
+                int R = count[e] - r0 < 8 ? count[e] - r0 : 8;
+                ROWS_FN[R](x + (size_t)(start[e] + r0) * H, H, (const uint16_t *)gate_up[e], h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
+            }
+        }
+        int P = start[E - 1] + count[E - 1];
+        #pragma omp for schedule(static)
+        for (int p = 0; p < P; p++) {
+            float *hp = h + (size_t)p * 2 * I;
+            for (int i = 0; i < I; i++) {
+                float g = hp[i], v = g / (1.0f + expf(-g)) * hp[I + i];
+                uint32_t bits; __builtin_memcpy(&bits, &v, 4);
+                bits += 0x7fff + ((bits >> 16) & 1);  /* round to nearest even */
+                a[(size_t)p * I + i] = (uint16_t)(bits >> 16);
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int u = 0; u < E * nb2; u++) {
+            int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
+            for (int r0 = 0; r0 < count[e]; r0 += 8) {
+                int R = count[e] - r0 < 8 ? count[e] - r0 : 8;
+                ROWS_FN[R](a + (size_t)(start[e] + r0) * I, I, (const uint16_t *)down[e], out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
+            }
+        }
+    }
+}
