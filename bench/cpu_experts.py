@@ -36,8 +36,12 @@ H, I = 2048, 768
 
 def build() -> ctypes.CDLL | None:
     out = Path(tempfile.mkdtemp()) / "experts_bf16.so"
-    run = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
-                         capture_output=True, text=True)
+    try:
+        run = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+                             capture_output=True, text=True)
+    except FileNotFoundError:
+        print("the kernel did not build: no gcc on this machine")
+        return None
     if run.returncode:
         print(f"the kernel did not build (it needs gcc and AVX512_BF16): {run.stderr.strip()[:300]}")
         return None
