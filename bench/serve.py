@@ -67,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checkpoints import random_checkpoint, write_tokenizer  # noqa: E402
+from strata.quant.packed import FORMATS  # noqa: E402
 
 PROMPT_LEN = 128
 STALL_STREAMS = 8
@@ -753,7 +754,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-tokenizer", metavar="DIR", help="only write SmolLM2's tokenizer files into DIR, then exit")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", choices=["q8_0", "q4_k", "q5_k", "q6_k", "iq3_s", "fp8"],
+    p.add_argument("--quantization", choices=list(FORMATS),
                    help="the server's and the anchor's --quantization: the float weights quantized as they load")
     p.add_argument("--batch", type=int, default=64, help="slots of the server and of the in-process engine")
     p.add_argument("--max-cells", type=int, default=4096)

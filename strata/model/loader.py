@@ -98,10 +98,11 @@ class ModelFiles:
 def quantizing(ckpt: Checkpoint, fmt: str, device: torch.device | str | None = None):
     """`ckpt` read through `QuantizingCheckpoint`, or a `CheckpointError` saying why it cannot be."""
     from strata.quant.online import QuantizingCheckpoint, stored_quantized
-    from strata.quant.packed import FORMATS
 
-    if fmt not in FORMATS:
-        raise CheckpointError(f"--quantization {fmt!r} is not a format Strata quantizes to (known: {', '.join(FORMATS)})")
+    try:
+        QuantizingCheckpoint.check_format(fmt)
+    except ValueError as e:
+        raise CheckpointError(f"--quantization: {e}") from None
     stored = stored_quantized(ckpt)
     if stored:
         raise CheckpointError(

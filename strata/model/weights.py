@@ -74,6 +74,7 @@ class _Reader:
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
         self.names = set(ckpt.names())
         self.packed = packed and hasattr(ckpt, "load_packed")
+        self.quantizes = getattr(ckpt, "quantizes", False)  # quantized as it loads (`strata.quant.online`)
         self.kept = Counter()  # stored type -> matrices kept packed
         self.dequantized = Counter()  # stored type -> matrices dequantized at load (with `packed`)
         self._stored = {}  # id of a packed matrix handed out -> its stored type (a fused one may undo it)
@@ -84,7 +85,7 @@ class _Reader:
         checkpoint that quantizes as it loads (`strata.quant.online`) gives its quantized values either way:
         written out in the reader's dtype where the weight is not kept packed."""
         keep = self.packed and packed
-        if not keep and not getattr(self.ckpt, "quantizes", False):
+        if not keep and not self.quantizes:
             return self.get(name, shape, device=device)
         if name not in self.names:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
@@ -120,10 +121,10 @@ class _Reader:
         return pk.dequantize(w).to(self.dtype) if isinstance(w, PackedWeight) else w
 
     def summary(self) -> str | None:
-        if not (self.packed or getattr(self.ckpt, "quantizes", False)) or not (self.kept or self.dequantized):
+        if not (self.packed or self.quantizes) or not (self.kept or self.dequantized):
             return None
         say = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-        if getattr(self.ckpt, "quantizes", False):
+        if self.quantizes:
             return (f"matrices quantized as they load (--quantization): kept packed on the device: {say(self.kept)}; "
                     f"written out in {str(self.dtype).removeprefix('torch.')}: {say(self.dequantized)}")
         return f"weights kept quantized on the device: {say(self.kept)}; dequantized at load: {say(self.dequantized)}"

@@ -71,9 +71,13 @@ class QuantizingCheckpoint:
 
     quantizes = True  # the loader reads every matrix through `load_packed` (`strata.model.weights._Reader`)
 
-    def __init__(self, inner, fmt: str, device: torch.device | str | None = None):
+    @staticmethod
+    def check_format(fmt: str) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"quantization {fmt!r} is unknown (known: {', '.join(FORMATS)})")
+
+    def __init__(self, inner, fmt: str, device: torch.device | str | None = None):
+        self.check_format(fmt)
         self.inner, self.fmt = inner, fmt
         self.device = torch.device(device) if device is not None else None
         self.path: Path = inner.path
