@@ -86,14 +86,13 @@ def test_triton_decode_rows_are_bitwise_the_same_beside_prompt_rows(engines):
 @pytest.mark.parametrize("engines", MACHINERY, indirect=True)
 def test_a_short_prompt_chunk_runs_with_the_decode_rows(engines):
     """On the Triton path a prompt chunk of 2 to `SHORT_CHUNK_ROWS` rows runs in its window's decode part, a row per
-    position (a graph replay on a GPU instead of a prompt window's launches), on models without GDN layers (whose
-    decode step takes one row per sequence): the decoding rows beside it stay bitwise what they are alone, and its
-    slot's tokens are the torch path's."""
+    position (a graph replay on a GPU instead of a prompt window's launches; GDN layers step the chunk's rows in
+    order): the decoding rows beside it stay bitwise what they are alone, and its slot's tokens are the torch
+    path's."""
     from strata.runtime.slots import SHORT_CHUNK_ROWS
     from strata.runtime.window import Window
 
     reference, fast = engines
-    gdn = bool(fast.spec.gdn_layers())
     slots = fast.init_slots(2)
     assert slots.short_chunk_rows == 0  # on a GPU only (where the decode part is a graph replay): turned on here
     slots.short_chunk_rows = SHORT_CHUNK_ROWS
@@ -101,16 +100,18 @@ def test_a_short_prompt_chunk_runs_with_the_decode_rows(engines):
     state, chunk = slots.slots[1].state, prompt(3)  # 13 tokens
     assert len(chunk) <= SHORT_CHUNK_ROWS
     parts = [(slots.slots[0].state, [slots.slots[0].next_token], False)]
+    decoding = slots.slots[0].state
+    before = {i: (decoding.conv[i].clone(), decoding.recurrent[i].clone()) for i in decoding.conv}
     alone = fast.forward(Window.build(parts, fast.device))
+    decoding.set_gdn(before)  # the GDN states that row advanced, as they were
     window = Window.build(parts + [(state, chunk, False, True)], fast.device)
     assert window.is_decode and window.num_rows == 1 + len(chunk)
-    if not gdn:
-        mixed = fast.forward(window)
-        assert mixed.shape[0] == 2 and torch.equal(mixed[:1], alone)
+    mixed = fast.forward(window)
+    assert mixed.shape[0] == 2 and torch.equal(mixed[:1], alone)
     state.reset()
     slots.admit(1, chunk, 4, stop_ids=frozenset())
     sw = slots.run_slots()
-    assert sw.window.is_decode != gdn  # the chunk beside slot 0's row: in the decode part without GDN layers
+    assert sw.window.is_decode  # the chunk beside slot 0's row: in the decode part
     got = [e.token for e in slots.commit_slots(sw) if e.slot == 1]
     while slots.active:
         got += [e.token for e in slots.commit_slots(slots.run_slots()) if e.slot == 1]

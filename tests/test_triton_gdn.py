@@ -146,3 +146,39 @@ def test_decode_step_makes_its_gates_as_the_gates_kernel(shape, dtype):
                             gates=(a, b, neg_a, dt_bias))
     assert torch.equal(got, want)
     assert torch.equal(pools[1][0], pools[0][0]) and torch.equal(pools[1][1], pools[0][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_runs_of_one_sequences_rows_step_in_order_and_keep_their_states(dtype):
+    """Consecutive rows of one sequence (a drafting slot's rows, a short prompt chunk) in one launch: each run
+    steps in order, bitwise as the same rows launched one at a time, beside single rows of other sequences; rows
+    given a keep slot leave there the conv history and recurrent state as they are after them (a rollback's
+    target), and no other keep slot is written."""
+    hk, hv, dk, dv = 2, 4, 16, 72  # Dv spans two blocks of the recurrence kernel
+    conv_w, conv_pool, rec_pool = make_layer(hk, hv, dk, dv, dtype)
+    seq_list = [3, 3, 3, 0, 5, 5, 1, 1, 1, 1]
+    keep_list = [0, 2, -1, -1, 1, -1, 4, -1, 3, -1]
+    r = len(seq_list)
+    mixed, decay, beta = make_token(r, hk, hv, dk, dv, dtype, seed=11)
+    seq_ids = torch.tensor(seq_list, dtype=torch.int32)
+    c = mixed.shape[1]
+    conv_keep = torch.full((6, K - 1, c), 7.0, dtype=dtype)
+    rec_keep = torch.full((6, hv, dk, dv), 7.0)
+    one_conv, one_rec = conv_pool.clone(), rec_pool.clone()
+    singles, after = [], {}
+    for j in range(r):  # the rows one launch each: what a window of one row a sequence gives
+        one = slice(j, j + 1)
+        singles.append(gdn_decode_triton(mixed[one], conv_w, one_conv, one_rec, seq_ids[one], decay[one], beta[one],
+                                         hk, hv, dk, dv)[0])
+        after[j] = (one_conv[seq_list[j]].clone(), one_rec[seq_list[j]].clone())
+    expected, ref_conv, ref_rec = reference(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv)
+    keep = (torch.tensor(keep_list, dtype=torch.int32), conv_keep, rec_keep)
+    out = gdn_decode_triton(mixed, conv_w, conv_pool, rec_pool, seq_ids, decay, beta, hk, hv, dk, dv, keep=keep)
+    assert torch.equal(out, torch.stack(singles))
+    assert torch.equal(conv_pool, one_conv) and torch.equal(rec_pool, one_rec)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(rec_pool, ref_rec, **STATE_TOL[dtype])
+    for j, slot in enumerate(keep_list):
+        if slot >= 0:
+            assert torch.equal(conv_keep[slot], after[j][0]) and torch.equal(rec_keep[slot], after[j][1]), j
+    assert (conv_keep[5] == 7).all() and (rec_keep[5] == 7).all()  # no row keeps into slot 5

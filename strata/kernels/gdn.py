@@ -8,8 +8,11 @@ The recurrence, per value head h and token t (S is [Dk, Dv], k and q L2-normalis
     S = S + k_t (beta_t * (v_t - k_t^T S))^T
     o_t = q_t^T S
 
-`gdn_decode_triton` is the decode step for a window of rows, one token per row, each row on its own
-sequence of the engine's pools: the conv and the recurrence update `conv_pool` and `rec_pool` in place.
+`gdn_decode_triton` is the decode step for a window of rows, one token per row, on the sequences of the engine's
+pools: the conv and the recurrence update `conv_pool` and `rec_pool` in place. Consecutive rows of one sequence (a
+drafting slot's last token and its drafts, a short prompt chunk) form a run that the programs of its first row step
+through in order, so a row computes alike alone, in a run, or beside any other rows; a run's rows may also leave
+their states in keep slots (a rejected draft's rollback).
 
 `causal_conv1d_triton` and `gated_delta_rule_chunked_triton` are the prefill of one sequence's prompt rows, with
 the contracts of `causal_conv1d` and `gated_delta_rule_chunked` (prompt windows with kernels="triton").
@@ -134,90 +137,128 @@ REC_MAX_BLOCK_DV = 64
 
 
 @triton.jit
+def _run_length(p_seq, i_r, R):
+    """Rows in the run that row i_r begins (consecutive rows of its sequence), 0 when row i_r does not begin one."""
+    i_s = tl.load(p_seq + i_r)
+    prev = tl.load(p_seq + i_r - 1, mask=i_r > 0, other=-1)
+    n = (prev != i_s).to(tl.int32)
+    nxt = tl.load(p_seq + i_r + n, mask=(n > 0) & (i_r + n < R), other=-1)
+    while nxt == i_s:
+        n += 1
+        nxt = tl.load(p_seq + i_r + n, mask=i_r + n < R, other=-1)
+    return n
+
+
+@triton.jit
 def _conv_decode_kernel(
-    p_mixed, p_w, p_pool, p_seq, p_out,
-    C, stride_mixed, stride_w, stride_ps, stride_pk, stride_out,
-    K: tl.constexpr, BLOCK_C: tl.constexpr,
+    p_mixed, p_w, p_pool, p_seq, p_out, p_keep_idx, p_keep,
+    R, C, stride_mixed, stride_w, stride_ps, stride_pk, stride_out, stride_ks, stride_kk,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, KEEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, channel block): conv + silu of this token over the history, history shifted."""
+    """One program per (row, channel block); a run's first row steps its rows in order (the others do nothing):
+    conv + silu of each token over the history, history shifted (and, KEEP, copied to the row's keep slot)."""
     wait_for_prior(PDL)
     i_r, i_c = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < C
+    n = _run_length(p_seq, i_r, R)
     i_s = tl.load(p_seq + i_r).to(tl.int64)
     p_hist = p_pool + i_s * stride_ps + o_c
-    b_x = tl.load(p_mixed + i_r.to(tl.int64) * stride_mixed + o_c, mask=m_c, other=0.0)  # [BLOCK_C]
-    # Same order as the reference: taps 0..K-2 on the history (oldest first), tap K-1 on this token.
-    b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(K - 1):
-        b_h = tl.load(p_hist + j * stride_pk, mask=m_c, other=0.0).to(p_mixed.dtype.element_ty)
-        b_acc += b_h.to(tl.float32) * tl.load(p_w + o_c * stride_w + j, mask=m_c, other=0.0).to(tl.float32)
-        if j > 0:
-            tl.store(p_hist + (j - 1) * stride_pk, b_h.to(p_pool.dtype.element_ty), mask=m_c)
-    b_acc += b_x.to(tl.float32) * tl.load(p_w + o_c * stride_w + (K - 1), mask=m_c, other=0.0).to(tl.float32)
-    tl.store(p_hist + (K - 2) * stride_pk, b_x.to(p_pool.dtype.element_ty), mask=m_c)
-    b_out = b_acc * tl.sigmoid(b_acc)
-    tl.store(p_out + i_r.to(tl.int64) * stride_out + o_c, b_out.to(p_out.dtype.element_ty), mask=m_c)
+    for t in range(n):
+        i_row = (i_r + t).to(tl.int64)
+        b_x = tl.load(p_mixed + i_row * stride_mixed + o_c, mask=m_c, other=0.0)  # [BLOCK_C]
+        if KEEP:
+            i_keep = tl.load(p_keep_idx + i_row)
+            m_keep = m_c & (i_keep >= 0)
+            p_kept = p_keep + tl.maximum(i_keep, 0).to(tl.int64) * stride_ks + o_c
+        # Same order as the reference: taps 0..K-2 on the history (oldest first), tap K-1 on this token.
+        b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K - 1):
+            b_h = tl.load(p_hist + j * stride_pk, mask=m_c, other=0.0).to(p_mixed.dtype.element_ty)
+            b_acc += b_h.to(tl.float32) * tl.load(p_w + o_c * stride_w + j, mask=m_c, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(p_hist + (j - 1) * stride_pk, b_h.to(p_pool.dtype.element_ty), mask=m_c)
+                if KEEP:
+                    tl.store(p_kept + (j - 1) * stride_kk, b_h.to(p_keep.dtype.element_ty), mask=m_keep)
+        b_acc += b_x.to(tl.float32) * tl.load(p_w + o_c * stride_w + (K - 1), mask=m_c, other=0.0).to(tl.float32)
+        tl.store(p_hist + (K - 2) * stride_pk, b_x.to(p_pool.dtype.element_ty), mask=m_c)
+        if KEEP:
+            tl.store(p_kept + (K - 2) * stride_kk, b_x.to(p_keep.dtype.element_ty), mask=m_keep)
+        b_out = b_acc * tl.sigmoid(b_acc)
+        tl.store(p_out + i_row * stride_out + o_c, b_out.to(p_out.dtype.element_ty), mask=m_c)
+        tl.debug_barrier()  # the next row of the run reads the history this one wrote
 
 
 @triton.jit
 def _rec_decode_kernel(
-    p_qkv, p_state, p_seq, p_decay, p_beta, p_o, p_neg_a, p_dt_bias,
-    stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh,
+    p_qkv, p_state, p_seq, p_decay, p_beta, p_o, p_neg_a, p_dt_bias, p_keep_idx, p_keep,
+    R, stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh, stride_ks,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr,
+    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr, KEEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv block): one delta-rule step on a [Dk, BLOCK_DV] state tile. GATES:
-    p_decay, p_beta hold the projections a and b, and the program makes its head's log decay and beta itself
-    (`elementwise.gdn_gate_values`, with p_neg_a and p_dt_bias), bit for bit as `gdn_gates_triton`."""
+    """One program per (row, value head, Dv block); a run's first row steps its rows in order on a [Dk, BLOCK_DV]
+    state tile held in registers (the others do nothing), one delta-rule step a row (KEEP: the tile after each
+    row with a keep slot is copied there). GATES: p_decay, p_beta hold the projections a and b, and the program
+    makes its head's log decay and beta itself (`elementwise.gdn_gate_values`, with p_neg_a and p_dt_bias), bit
+    for bit as `gdn_gates_triton`."""
     wait_for_prior(PDL)
     i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_r64 = i_r.to(tl.int64)
     i_kh = i_h // GROUP
     o_k = tl.arange(0, BLOCK_DK)
     o_v = i_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_k, m_v = o_k < DK, o_v < DV
+    n = _run_length(p_seq, i_r, R)
     i_s = tl.load(p_seq + i_r).to(tl.int64)
-
-    p_row = p_qkv + i_r64 * stride_qkv
-    b_q = tl.load(p_row + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
-    b_k = tl.load(p_row + KEY_DIM + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
-    b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BLOCK_DV]
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * (DK ** -0.5)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    if GATES:
-        b_g, b_beta = gdn_gate_values(tl.load(p_decay + i_r64 * stride_decay + i_h),
-                                      tl.load(p_beta + i_r64 * stride_beta + i_h), tl.load(p_neg_a + i_h),
-                                      tl.load(p_dt_bias + i_h))
-        b_beta = b_beta.to(tl.float32)
-    else:
-        b_g = tl.load(p_decay + i_r64 * stride_decay + i_h).to(tl.float32)
-        b_beta = tl.load(p_beta + i_r64 * stride_beta + i_h).to(tl.float32)
-
-    p_s = p_state + i_s * stride_ss + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0) * tl.exp(b_g)  # [BLOCK_DK, BLOCK_DV] float32
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta  # [BLOCK_DV]
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BLOCK_DV]
+    tile = i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
+    p_s = p_state + i_s * stride_ss + tile
+    m_s = m_k[:, None] & m_v[None, :] & (n > 0)
+    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    for t in range(n):
+        i_row = (i_r + t).to(tl.int64)
+        p_row = p_qkv + i_row * stride_qkv
+        b_q = tl.load(p_row + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
+        b_k = tl.load(p_row + KEY_DIM + i_kh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_DK]
+        b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BLOCK_DV]
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * (DK ** -0.5)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        if GATES:
+            b_g, b_beta = gdn_gate_values(tl.load(p_decay + i_row * stride_decay + i_h),
+                                          tl.load(p_beta + i_row * stride_beta + i_h), tl.load(p_neg_a + i_h),
+                                          tl.load(p_dt_bias + i_h))
+            b_beta = b_beta.to(tl.float32)
+        else:
+            b_g = tl.load(p_decay + i_row * stride_decay + i_h).to(tl.float32)
+            b_beta = tl.load(p_beta + i_row * stride_beta + i_h).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)
+        b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta  # [BLOCK_DV]
+        b_s = b_s + b_k[:, None] * b_delta[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BLOCK_DV]
+        tl.store(p_o + i_row * stride_or + i_h * stride_oh + o_v, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if KEEP:
+            i_keep = tl.load(p_keep_idx + i_row)
+            tl.store(p_keep + tl.maximum(i_keep, 0).to(tl.int64) * stride_ks + tile, b_s, mask=m_s & (i_keep >= 0))
     tl.store(p_s, b_s, mask=m_s)
-    tl.store(p_o + i_r64 * stride_or + i_h * stride_oh + o_v, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
 
 def gdn_decode_triton(
     mixed: Tensor, conv_w: Tensor, conv_pool: Tensor, rec_pool: Tensor, seq_ids: Tensor,
     decay: Tensor | None, beta: Tensor | None, num_k_heads: int, num_v_heads: int, k_head_dim: int,
     v_head_dim: int, gates: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    keep: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One decode token per row: short conv + silu, then one gated delta-rule step, on sequence seq_ids[r].
-    `gates` (a, b [R, Hv], neg_a, dt_bias [Hv] float32), with decay and beta None: the step makes the log decay
-    and beta from the projections itself, as `gdn_gates_triton` would (one launch fewer, the same bits).
+    Consecutive rows of one sequence step in order (a run: its first row's programs step them all); a sequence's
+    rows must be consecutive. `gates` (a, b [R, Hv], neg_a, dt_bias [Hv] float32), with decay and beta None: the
+    step makes the log decay and beta from the projections itself, as `gdn_gates_triton` would (one launch fewer,
+    the same bits). `keep` (keep_idx [R] int32, conv_keep [N, K-1, C], rec_keep [N, Hv, Dk, Dv] float32): a row
+    with keep_idx >= 0 also leaves its sequence's conv history and recurrent state, as they are after it, in that
+    keep slot.
 
     mixed: [R, C] pre-conv q|k|v (C = 2*Hk*Dk + Hv*Dv; rows may be strided, channels contiguous);
     conv_w: [C, K]; conv_pool: [S, K-1, C] and rec_pool: [S, Hv, Dk, Dv] float32, both updated IN PLACE
-    (innermost dim contiguous); seq_ids: [R] int32, distinct; decay (log decay), beta: [R, Hv].
+    (innermost dim contiguous); seq_ids: [R] int32; decay (log decay), beta: [R, Hv].
     Returns [R, Hv, Dv] in mixed's dtype, as `causal_conv1d` + `gated_delta_rule_step` would row by row.
     """
     num_rows, num_channels = mixed.shape
@@ -238,25 +279,34 @@ def gdn_decode_triton(
     assert decay.shape == beta.shape == (num_rows, num_v_heads), (decay.shape, beta.shape)
     assert mixed.stride(1) == 1 and conv_pool.stride(2) == 1 and rec_pool.stride(3) == 1
     assert conv_w.stride(1) == 1 and decay.stride(1) == 1 and beta.stride(1) == 1 and seq_ids.is_contiguous()
+    if keep is not None:
+        keep_idx, conv_keep, rec_keep = keep
+        assert keep_idx.shape == (num_rows,) and keep_idx.dtype == torch.int32 and keep_idx.is_contiguous()
+        assert conv_keep.shape[1:] == conv_pool.shape[1:] and conv_keep.dtype == conv_pool.dtype, conv_keep.shape
+        assert rec_keep.shape[1:] == rec_pool.shape[1:] and rec_keep.dtype == torch.float32, rec_keep.shape
+        assert conv_keep.stride()[1:] == conv_pool.stride()[1:] and rec_keep.stride()[1:] == rec_pool.stride()[1:]
+    else:
+        keep_idx, conv_keep, rec_keep = seq_ids, conv_pool, rec_pool  # not read (KEEP False)
     out = torch.empty(num_rows, num_v_heads, v_head_dim, device=mixed.device, dtype=mixed.dtype)  # [R, Hv, Dv]
     if num_rows == 0:
         return out
 
     conv_out = torch.empty(num_rows, num_channels, device=mixed.device, dtype=mixed.dtype)  # [R, C]
     _conv_decode_kernel[(num_rows, triton.cdiv(num_channels, CONV_BLOCK_C))](
-        mixed, conv_w, conv_pool, seq_ids, conv_out,
-        num_channels, mixed.stride(0), conv_w.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_out.stride(0),
-        K=num_taps, BLOCK_C=CONV_BLOCK_C, **pdl(mixed),
+        mixed, conv_w, conv_pool, seq_ids, conv_out, keep_idx, conv_keep,
+        num_rows, num_channels, mixed.stride(0), conv_w.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        conv_out.stride(0), conv_keep.stride(0), conv_keep.stride(1),
+        K=num_taps, BLOCK_C=CONV_BLOCK_C, KEEP=keep is not None, **pdl(mixed),
     )  # fmt: skip
 
     block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
     _rec_decode_kernel[(num_rows, num_v_heads, triton.cdiv(v_head_dim, block_dv))](
-        conv_out, rec_pool, seq_ids, decay, beta, out, neg_a.contiguous(), dt_bias.contiguous(),
-        conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
-        decay.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        conv_out, rec_pool, seq_ids, decay, beta, out, neg_a.contiguous(), dt_bias.contiguous(), keep_idx, rec_keep,
+        num_rows, conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
+        decay.stride(0), beta.stride(0), out.stride(0), out.stride(1), rec_keep.stride(0),
         GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
         KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, GATES=gates is not None,
-        **pdl(mixed),
+        KEEP=keep is not None, **pdl(mixed),
     )  # fmt: skip
     return out
 

@@ -56,11 +56,15 @@ class TritonDecode:
         self.spec, self.weights, self.inv_freq, self.rope_scale = spec, weights, inv_freq, rope_scale
         self.pools = pools or {}
         self.scale = spec.attention.head_dim**-0.5
+        self.keep_hidden = False  # the last stage also returns its rows' final normed hidden states (MTP drafts)
 
-    def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                 keep_idx: torch.Tensor | None = None):
         """inp: token ids [R] on the first stage, else the previous stage's hidden states [R, hidden]. Returns the
-        logits [R, V] on the last stage, else this stage's hidden states."""
-        steps = self.steps(pool, inp, positions, seq_ids)
+        logits [R, V] on the last stage (with `keep_hidden`: (logits, final normed hidden states [R, hidden])), else
+        this stage's hidden states. A sequence's rows are consecutive; `keep_idx` [R] int32: the pool's keep slot
+        each row leaves its GDN states in (-1 none; `Window.keep_idx`)."""
+        steps = self.steps(pool, inp, positions, seq_ids, keep_idx)
         try:
             ask = next(steps)
             while True:  # the CPU pools' layers (`steps`): their rows to the host, their share back
@@ -71,7 +75,8 @@ class TritonDecode:
         except StopIteration as done:
             return done.value
 
-    def steps(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor):
+    def steps(self, pool: StatePool, inp: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+              keep_idx: torch.Tensor | None = None):
         """The window as a generator: at each layer with a CPU pool it yields ("start", layer, x, weights, ids) (send
         None) and then ("finish", cpu_rows) (send the pool's share of the rows, on their device); returns what
         `__call__` returns. Without pools it yields nothing."""
@@ -82,7 +87,7 @@ class TritonDecode:
             if self.spec.layers[i].mixer == "attention":
                 h = self._attention(i, w, h, pool, positions, seq_ids)
             else:
-                h = self._gdn(i, w, h, pool, seq_ids)
+                h = self._gdn(i, w, h, pool, seq_ids, keep_idx)
             h, x = self._add_norm(h, x, w["mlp_norm"])
             if i in self.pools:
                 steps = pooled_moe_steps(h, w, self.spec.moe, kernels="decode")
@@ -94,7 +99,8 @@ class TritonDecode:
         if self.weights.final_norm is None:
             return x if pending is None else x + finish(pending)
         h, _ = self._add_norm(pending, x, self.weights.final_norm)
-        return linear_triton(h, self.weights.lm_head).float()  # [R, V]
+        logits = linear_triton(h, self.weights.lm_head).float()  # [R, V]
+        return (logits, h) if self.keep_hidden else logits
 
     def _add_norm(self, h, x, weight):
         """(rms_norm(x + h), x + h), or (rms_norm(x), x) when there is no h: bitwise what the two ops give. h may be
@@ -117,15 +123,18 @@ class TritonDecode:
                                             gate).reshape(r, -1)
         return linear_split(out, w["o"])  # its chunks are added by the next norm
 
-    def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids) -> torch.Tensor:
+    def _gdn(self, i: int, w: Tensors, x, pool: StatePool, seq_ids, keep_idx=None) -> torch.Tensor:
         g = self.spec.gdn
         r = x.shape[0]
         proj = linear_triton(x, w["in_proj"])
         mixed, z, b, a = proj.split([g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads], dim=-1)
-        # the recurrent step makes its decay and beta from a and b itself (no gates launch)
+        # the recurrent step makes its decay and beta from a and b itself (no gates launch); a sequence's rows step
+        # in order, drafted ones leaving their states in keep slots
+        keep = None if keep_idx is None or i not in pool.keep_conv else (keep_idx, pool.keep_conv[i],
+                                                                          pool.keep_recurrent[i])
         out = gdn_decode_triton(mixed, w["conv"], pool.conv[i], pool.recurrent[i], seq_ids, None, None,
                                 g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
-                                gates=(a, b, w["neg_a"], w["dt_bias"]))
+                                gates=(a, b, w["neg_a"], w["dt_bias"]), keep=keep)
         out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
         return linear_split(out.reshape(r, -1), w["out"])
 
@@ -161,21 +170,21 @@ class GraphedDecode:
         self.decode = decode
         self.memory_pool = None
 
-    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                 keep_idx: torch.Tensor | None = None):
+        inputs = (tokens, positions, seq_ids, keep_idx)
         graphs = pool.__dict__.setdefault("cuda_graphs", {})  # captured against this pool's tensors: they live and die with it
         key = (id(self), tokens.shape[0])  # a pool may serve several stages, each with its own graphs
         entry = graphs.get(key)
         if entry is None:
-            entry = graphs[key] = self._capture(pool, tokens, positions, seq_ids)
-        graph, (t_buf, p_buf, s_buf), out = entry
-        t_buf.copy_(tokens)
-        p_buf.copy_(positions)
-        s_buf.copy_(seq_ids)
+            entry = graphs[key] = self._capture(pool, *inputs)
+        graph, bufs, out = entry
+        _copy_inputs(bufs, inputs)
         graph.replay()
-        return out.clone()  # the graph's output buffer is rewritten by its next replay
+        return _cloned(out)  # the graph's output buffers are rewritten by its next replay
 
-    def _capture(self, pool, tokens, positions, seq_ids):
-        bufs = (tokens.clone(), positions.clone(), seq_ids.clone())
+    def _capture(self, pool, tokens, positions, seq_ids, keep_idx):
+        bufs = _input_buffers(tokens, positions, seq_ids, keep_idx)
         # Warm-up runs (Triton compiles here) rewrite the K/V cells the real window writes anyway, but they
         # advance the rows' GDN states: keep those states and put them back before the real step.
         rows = seq_ids.long()
@@ -216,24 +225,24 @@ class GraphedPooledDecode:
         self.memory_pool = None
         self.eager = False  # set when a capture failed
 
-    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pool: StatePool, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                 keep_idx: torch.Tensor | None = None):
+        inputs = (tokens, positions, seq_ids, keep_idx)
         if self.eager:
-            return self.decode(pool, tokens, positions, seq_ids)
+            return self.decode(pool, *inputs)
         graphs = pool.__dict__.setdefault("cuda_graphs", {})
         key = (id(self), tokens.shape[0])
         entry = graphs.get(key)
         if entry is None:
             try:
-                entry = graphs[key] = self._capture(pool, tokens, positions, seq_ids)
+                entry = graphs[key] = self._capture(pool, *inputs)
             except RuntimeError as e:  # a kernel that cannot be captured: run the stage's windows eagerly
                 log.warning("decode windows with the CPU expert pool run without CUDA graphs: capturing them failed "
                             "(%s)", e)
                 self.eager = True
-                return self.decode(pool, tokens, positions, seq_ids)
-        segments, (t_buf, p_buf, s_buf), io, out = entry
-        t_buf.copy_(tokens)
-        p_buf.copy_(positions)
-        s_buf.copy_(seq_ids)
+                return self.decode(pool, *inputs)
+        segments, bufs, io, out = entry
+        _copy_inputs(bufs, inputs)
         stream = torch.cuda.current_stream(tokens.device)
         for k, graph in enumerate(segments):
             if k:  # the pool of the layer the last segment ended at: its rows are on the host once the copy is done
@@ -252,10 +261,10 @@ class GraphedPooledDecode:
             graph.replay()
             if k < len(io):
                 io[k][-1].record(stream)
-        return out.clone()
+        return _cloned(out)
 
-    def _capture(self, pool, tokens, positions, seq_ids):
-        bufs = (tokens.clone(), positions.clone(), seq_ids.clone())
+    def _capture(self, pool, tokens, positions, seq_ids, keep_idx):
+        bufs = _input_buffers(tokens, positions, seq_ids, keep_idx)
         rows = seq_ids.long()
         mine = self.decode.weights.layers
         saved = [(t, t[rows].clone()) for states in (pool.conv, pool.recurrent) for i, t in states.items() if i in mine]
@@ -311,6 +320,24 @@ class GraphedPooledDecode:
         for t, snapshot in saved:  # the capture queued nothing that ran; restore anyway for symmetry
             t[rows] = snapshot
         return segments, bufs, [tuple(s) for s in io], out
+
+
+def _input_buffers(*inputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """A graph's static copies of a window's row tensors (None stays None: the pool has no keep slots)."""
+    return tuple(None if t is None else t.clone() for t in inputs)
+
+
+def _copy_inputs(bufs: tuple[torch.Tensor | None, ...], inputs: tuple[torch.Tensor | None, ...]) -> None:
+    for buf, t in zip(bufs, inputs):
+        if (buf is None) != (t is None):
+            raise RuntimeError("a window's keep slots must be given to every decode window of its pool, or to none")
+        if buf is not None:
+            buf.copy_(t)
+
+
+def _cloned(out):
+    """A graph's output (logits or hidden states, or both), cloned: its buffers are rewritten by the next replay."""
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

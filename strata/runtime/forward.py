@@ -138,6 +138,8 @@ class Forward:
         self.mtp["head"] = head
         if onednn.is_blocked(self.weights.lm_head):  # a CPU stage on oneDNN's products: the MTP layer's too
             onednn.block_matrices(self.mtp, onednn.MTP_MATRICES, self.dtype)
+        if self.fast is not None:  # the Triton decode windows return their rows' final hidden states as well
+            getattr(self.fast, "decode", self.fast).keep_hidden = True
 
     def run_mtp(self, hidden: torch.Tensor, tokens: torch.Tensor, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over rows (hidden state h_t, the token x_t+1) at positions t, one segment per sequence (its
@@ -197,7 +199,11 @@ class Forward:
         if self.fast is not None and window.is_decode and window.pool is not None:
             positions = window.positions.to(self.device, torch.int32)
             inp = window.tokens.to(self.device) if x is None else x
-            out = self.fast(window.pool, inp, positions, window.seq_ids.to(self.device))
+            keep_idx = None if window.keep_idx is None else window.keep_idx.to(self.device)
+            out = self.fast(window.pool, inp, positions, window.seq_ids.to(self.device), keep_idx)
+            if isinstance(out, tuple):  # (logits, final hidden states): the MTP layer reads the latter
+                out, hidden = out
+                self._hidden_parts.append(hidden)
             if self.weights.final_norm is not None and window.logit_rows.shape[0] != window.num_rows:
                 out = out[window.logit_rows.to(self.device)]  # a one-row prompt chunk that is not its prompt's last
             return out

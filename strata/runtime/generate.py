@@ -111,10 +111,6 @@ class Engine:
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
-        if speculative is not None and self.spec.gdn_layers() and kernels != "torch":
-            raise StrataError(f"--spec {speculative}: drafts for models with Gated DeltaNet layers "
-                              f"({self.spec.family}) run on the torch kernels for now (--kernels torch), which "
-                              "keep the recurrent state after each drafted row for a rollback")
         plan = plan_stages(self.spec, layer_split, self.device, split_device, batch_groups)
         if weights is not None and not callable(weights) and len(plan) > 1:
             raise StrataError("a layer split needs a checkpoint (or a weights factory) to load each stage from")
@@ -160,9 +156,6 @@ class Engine:
         flag = f"--spec {self.speculative}"
         if self.batch_groups > 1:
             raise StrataError(f"{flag} runs with one batch group: leave --batch-groups at 1, or use ngram drafts")
-        if self.kernels != "torch":
-            raise StrataError(f"{flag}: MTP drafts run on the torch kernels for now (--kernels torch); on a GPU "
-                              "use --spec ngram:K")
         if self.files is None:
             raise StrataError(f"{flag}: MTP drafts need a checkpoint (its mtp.* tensors)")
         raw, source = last.weights.mtp, str(self.files.checkpoint.path)
@@ -227,7 +220,17 @@ class Engine:
 
     def new_pool(self, num_seqs: int) -> StatePool:
         return StatePool(self.spec, range(self.spec.num_layers), num_seqs, self.max_cells, self.device, self.dtype,
-                         self.layer_devices, mtp=self.mtp)
+                         self.layer_devices, mtp=self.mtp, keep_states=self.keep_states(num_seqs))
+
+    def keep_states(self, num_seqs: int) -> int:
+        """Keep slots a pool of `num_seqs` sequences needs for drafts on the Triton decode kernels of a model with
+        GDN layers: the states after each drafted row but the last of as many slots as may draft at once
+        (`--spec-max-active`), which the window writes and a rejection returns to. 0 without drafts, GDN layers or
+        Triton (the torch path copies them)."""
+        spec = self.speculative
+        if spec is None or self.kernels != "triton" or not self.spec.gdn_layers():
+            return 0
+        return min(num_seqs, spec.max_active) * spec.num_speculative_tokens
 
     def reuse(self, state: SessionState, prompt_ids: list[int], idle: list[SessionState] = ()) -> int:
         """Before reading `prompt_ids` into `state`: keep the longest reusable prefix of it that `state`, an `idle`

@@ -146,6 +146,11 @@ class Slots:
             raise StrataError(f"--batch-groups {num_groups}: groups must be between 1 and the {num_slots} slots")
         self.engine = engine
         self.pool = engine.new_pool(num_slots)  # every slot's state in one tensor per layer
+        if self.pool.keep_free and num_slots > 1:
+            log.info("drafts keep the Gated DeltaNet states after drafted rows in %d slots (%.0f MB of device memory: "
+                     "%d drafting slots x %d drafts, --spec-max-active and --spec)", len(self.pool.keep_free),
+                     self.pool.keep_nbytes() / 1e6, len(self.pool.keep_free) // engine.speculative.num_speculative_tokens,
+                     engine.speculative.num_speculative_tokens)
         self.slots = [Slot(state) for state in self.pool.sessions()]
         bounds = [round(num_slots * g / num_groups) for g in range(num_groups + 1)]
         self.groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]  # consecutive slots per group
@@ -434,9 +439,9 @@ class Slots:
     def _short_chunks(self, chunks: list[tuple[int, list[int]]]) -> set[int]:
         """The slots whose prompt chunk runs with the decode rows, a row per position (`Window.build`'s `apart`):
         chunks of 2 to `short_chunk_rows` rows, at most that many rows in all, on the Triton decode kernels (the
-        torch reference runs the decode rows one segment at a time) and of models without GDN layers (their decode
-        step takes one row per sequence)."""
-        if self.engine.kernels != "triton" or self.engine.spec.gdn_layers() or not self.short_chunk_rows:
+        torch reference runs the decode rows one segment at a time; the GDN decode step takes a sequence's rows in
+        order)."""
+        if self.engine.kernels != "triton" or not self.short_chunk_rows:
             return set()
         short, room = set(), self.short_chunk_rows
         for i, ids in chunks:
@@ -453,6 +458,8 @@ class Slots:
         `_verify` keeps a draft iff it is the token its row picked (docs/BATCHING.md, drafts)."""
         spec, out = self.speculative, {}
         room = min(room, self._draft_rows(len(decoding)))
+        if self.pool.keep_conv:  # each draft keeps a GDN state in a keep slot until its window is verified
+            room = min(room, len(self.pool.keep_free))
         for i in decoding:
             slot = self.slots[i]
             if room <= 0:

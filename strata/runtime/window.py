@@ -57,6 +57,9 @@ class Window:
     host: tuple[list[int], ...] | None = None  # tokens (0 for fed rows), positions, logit rows, seq ids
     fed: int = 0  # leading rows whose tokens come from the device (`feed`)
     tail: torch.Tensor | None = None  # with `fed`: the other rows' tokens, on the device
+    # [R] int32: the pool's keep slot each row leaves its GDN states in (-1 none), when the pool has keep slots
+    # (drafts on the Triton decode kernels); its host list is `host[4]`
+    keep_idx: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -77,14 +80,19 @@ class Window:
         a short prompt chunk run with the decode rows).
         `fed`: the first so many rows take their tokens from the device (sampled by the window before; `feed`):
         their ids here only count the rows, and `tokens` stays None until the caller feeds them."""
-        tokens, positions, segments, logit_rows = [], [], [], []
+        tokens, positions, segments, logit_rows, keep = [], [], [], [], []
         row = 0
         for state, ids, all_logits, *apart in parts:
             state.reserve(len(ids))
             if all_logits == "apart":
-                segments += [Segment(state, row + j, row + j + 1, state.length + j, keep=bool(state.conv))
-                             for j in range(len(ids))]
-                state.kept.clear()
+                # the GDN states after each row but the last (in the pool's keep slots, else copied by `Forward`)
+                slots = state.take_keep_slots(len(ids) - 1)
+                if slots is not None:
+                    keep += [(row + j, slot) for j, slot in enumerate(slots)]
+                segments += [Segment(state, row + j, row + j + 1, state.length + j,
+                                     keep=bool(state.conv) and slots is None) for j in range(len(ids))]
+                if slots is None:
+                    state.release_kept()
                 all_logits = True
             elif apart and apart[0]:
                 segments += [Segment(state, row + j, row + j + 1, state.length + j) for j in range(len(ids))]
@@ -100,8 +108,14 @@ class Window:
         pool = next(iter(pools.values())) if len(pools) == 1 else None
         seq_list = [s.state.index for s in segments]
         tail = as_tensor(tokens[fed:]) if fed and len(tokens) > fed else None
+        keep_list = None
+        if pool is not None and pool.keep_conv:  # every window of such a pool carries them (one graph per row count)
+            keep_list = [-1] * row
+            for r, slot in keep:
+                keep_list[r] = slot
         return cls(None if fed else as_tensor(tokens), as_tensor(positions), segments, as_tensor(logit_rows), pool,
-                   row_tensor(seq_list, torch.int32, device), (tokens, positions, logit_rows, seq_list), fed, tail)
+                   row_tensor(seq_list, torch.int32, device), (tokens, positions, logit_rows, seq_list, keep_list), fed,
+                   tail, None if keep_list is None else row_tensor(keep_list, torch.int32, device))
 
     def feed(self, tokens: torch.Tensor) -> "Window":
         """This window with its first `fed` rows' tokens given (on the device), the others' appended."""
@@ -112,11 +126,12 @@ class Window:
         copying them from the first device would make that stage wait for whatever that device is running)."""
         if self.host is None or self.positions.device == device:
             return self
-        tokens, positions, logit_rows, seq_ids = self.host
+        tokens, positions, logit_rows, seq_ids, keep = self.host
         as_tensor = lambda xs: row_tensor(xs, torch.int64, device)  # noqa: E731
         tail = as_tensor(tokens[self.fed:]) if self.tail is not None else None
         return replace(self, tokens=None if self.fed else as_tensor(tokens), positions=as_tensor(positions),
-                       logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device), tail=tail)
+                       logit_rows=as_tensor(logit_rows), seq_ids=row_tensor(seq_ids, torch.int32, device), tail=tail,
+                       keep_idx=None if keep is None else row_tensor(keep, torch.int32, device))
 
     def split(self) -> tuple["Window", "Window"] | None:
         """A mixed window as (its leading one-row segments, the rest), each a window of its own over the same row
@@ -131,7 +146,7 @@ class Window:
         tokens = (None, None) if self.tokens is None else (self.tokens[:r], self.tokens[r:])
         decode = Window(tokens[0], self.positions[:r], self.segments[:k],
                         row_tensor([j for j in host_logits if j < r], torch.int64, self.positions.device), self.pool,
-                        self.seq_ids[:k])
+                        self.seq_ids[:k], keep_idx=None if self.keep_idx is None else self.keep_idx[:r])
         prompt_logits = [j - r for j in host_logits if j >= r]
         prompt = Window(tokens[1], self.positions[r:], rest,
                         row_tensor(prompt_logits, torch.int64, self.positions.device), self.pool, self.seq_ids[k:])
@@ -141,7 +156,7 @@ class Window:
         """The row tensors on `stream`'s device are read there: keep their memory from being reused by the stream
         that made them until `stream` has run what is queued now (the caching allocator otherwise hands a freed
         block to the next tensor made on that stream, and a later window's inputs would overwrite this one's)."""
-        for t in (self.tokens, self.positions, self.logit_rows, self.seq_ids, self.tail):
+        for t in (self.tokens, self.positions, self.logit_rows, self.seq_ids, self.tail, self.keep_idx):
             if t is not None and t.device == stream.device:
                 t.record_stream(stream)
 

@@ -15,10 +15,14 @@ from strata.model.spec import ModelSpec
 
 class StatePool:
     def __init__(self, spec: ModelSpec, layers: range, num_seqs: int, max_cells: int, device: torch.device,
-                 dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None, mtp: bool = False):
+                 dtype: torch.dtype, layer_devices: dict[int, torch.device] | None = None, mtp: bool = False,
+                 keep_states: int = 0):
         """`layer_devices`: where each layer's state lives (its stage's device); default `device` for all. `mtp`:
         also the K/V cells of the multi-token-prediction layer (drafts, `--spec mtp:K`), as layer
-        `spec.num_layers`, beside the last layer: they are copied, parked and restored with the others."""
+        `spec.num_layers`, beside the last layer: they are copied, parked and restored with the others.
+        `keep_states`: keep slots for the GDN states after drafted rows (drafts on the Triton decode kernels, which
+        write them there in the window: `SessionState.take_keep_slots`), each every GDN layer's conv and recurrent
+        state."""
         self.layers, self.num_seqs, self.max_cells = layers, num_seqs, max_cells
         at = lambda i: (layer_devices or {}).get(i, device)  # noqa: E731
         att = spec.attention
@@ -37,6 +41,11 @@ class StatePool:
                 self.conv[i] = torch.zeros(num_seqs, g.conv_kernel - 1, g.conv_dim, device=at(i), dtype=dtype)
                 self.recurrent[i] = torch.zeros(num_seqs, g.num_v_heads, g.k_head_dim, g.v_head_dim, device=at(i),
                                                 dtype=torch.float32)
+        self.keep_conv = {i: torch.zeros((keep_states, *t.shape[1:]), device=t.device, dtype=t.dtype)
+                          for i, t in self.conv.items()} if keep_states else {}
+        self.keep_recurrent = {i: torch.zeros((keep_states, *t.shape[1:]), device=t.device, dtype=t.dtype)
+                               for i, t in self.recurrent.items()} if keep_states else {}
+        self.keep_free = list(range(keep_states)) if self.keep_conv else []  # keep slots no sequence holds
 
     def sessions(self) -> list["SessionState"]:
         return [SessionState(self, s) for s in range(self.num_seqs)]
@@ -44,6 +53,10 @@ class StatePool:
     def nbytes(self) -> int:
         tensors = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.recurrent.values())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def keep_nbytes(self) -> int:
+        """The bytes of the keep slots (`keep_states`)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keep_conv.values(), *self.keep_recurrent.values()))
 
 
 class SessionState:
@@ -64,6 +77,7 @@ class SessionState:
         self.recurrent = {i: t[index] for i, t in pool.recurrent.items()}  # [Hv, Dk, Dv] float32
         # with drafts: the GDN states after each drafted row of the window in flight, by position (`rollback`)
         self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.keep_slots: list[int] = []  # the pool's keep slots those states are in (`take_keep_slots`), if any
         # GDN checkpoints (`--checkpoint-every`): host copies of every GDN layer's (conv, recurrent) state as it was
         # after the first `position` tokens, by position; the state can be cut back to any of them
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -92,6 +106,7 @@ class SessionState:
         self.tokens = []
         self.checkpoints = {}
         self.origin = None
+        self.release_kept()
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.zero_()
 
@@ -99,6 +114,7 @@ class SessionState:
         """Keep only the first `length` positions (the cells past them are never read). A GDN state has absorbed
         every token it holds, so with GDN layers only the whole length, 0 (a reset) or a checkpoint's position can
         be kept (the GDN states then come back from the checkpoint)."""
+        self.release_kept()
         if length == self.length:
             return
         if length == 0:
@@ -154,15 +170,37 @@ class SessionState:
         """Keep a copy of a GDN layer's conv and recurrent state as they are after `position` (a drafted row)."""
         self.kept.setdefault(position, {})[layer] = (self.conv[layer].clone(), self.recurrent[layer].clone())
 
+    def take_keep_slots(self, n: int) -> list[int] | None:
+        """Keep slots of the pool for the GDN states after the next `n` positions (a drafting slot's rows but its
+        last, on the Triton decode kernels, which write them in the window): as many as are free, registered in
+        `kept` for `rollback`; None when the pool has none (the torch path copies them: `keep`)."""
+        pool = self.pool
+        if not self.conv or not pool.keep_conv:
+            return None
+        self.release_kept()
+        taken, pool.keep_free = pool.keep_free[:n], pool.keep_free[n:]
+        for j, slot in enumerate(taken):
+            self.kept[self.length + j] = {i: (pool.keep_conv[i][slot], pool.keep_recurrent[i][slot]) for i in self.conv}
+        self.keep_slots = taken
+        return taken
+
+    def release_kept(self) -> None:
+        """Forget the kept states, their keep slots free again."""
+        self.kept.clear()
+        if self.keep_slots:
+            self.pool.keep_free += self.keep_slots
+            self.keep_slots = []
+
     @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """After a window of drafted rows: keep its first `length` positions, the rows past them rejected. The K/V
-        cells past `length` are never read; the GDN states return to those kept after position length - 1."""
+        cells past `length` are never read; the GDN states return to those kept after position length - 1 (one
+        multi-tensor copy)."""
         if self.conv and length != self.length:
-            for layer, (conv, recurrent) in self.kept[length - 1].items():
-                self.conv[layer].copy_(conv)
-                self.recurrent[layer].copy_(recurrent)
-        self.kept.clear()
+            kept = self.kept[length - 1]
+            torch._foreach_copy_([t for i in kept for t in (self.conv[i], self.recurrent[i])],
+                                 [t for pair in kept.values() for t in pair])
+        self.release_kept()
         self.length = length
         self._keep_origin(length)
 
@@ -172,6 +210,7 @@ class SessionState:
         states and tokens, and its checkpoints up to `length` (host copies, shared). A GDN state is copied whole,
         or taken from `other`'s checkpoint at `length`."""
         n = other.length if length is None else length
+        self.release_kept()
         if self.conv and n != other.length and n not in other.checkpoints:
             raise ValueError(f"a GDN state cannot be cut: copy all {other.length} positions or a checkpoint's "
                              f"({sorted(other.checkpoints) or 'none'}), not {n}")
