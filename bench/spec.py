@@ -96,19 +96,67 @@ def decode_set(engine, prompts: list[list[int]], n: int, tokens: int, stop_ids: 
     return answers, made / took, counts, per_pos
 
 
+def check_forced_drafts(spec, device: torch.device, prompt_len: int = 64, n: int = 24) -> None:
+    """Drafts on this device's kernels and graphs give the tokens and state of decoding without them: one
+    conversation at `spec` (random weights) answers greedily without drafts, then again with drafts that are its
+    own answer with one token changed at a place that moves from window to window (so 0 to 3 of 4 are kept, and
+    GDN layers roll back from their keep slots). Prints what it found; exits 1 when they differ."""
+    from unittest import mock
+
+    from strata.model.random_weights import random_stage_weights
+    from strata.runtime import slots as slots_module
+    from strata.runtime.drafts import SpeculativeConfig
+    from strata.runtime.generate import Engine
+
+    weights = lambda layers, dev, trim: random_stage_weights(spec, layers, dev, torch.bfloat16)  # noqa: E731
+    prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    answers, states, truth = [], [], []
+
+    def forced(tokens, k, *_):
+        wanted = truth[len(tokens):][:k]
+        return [t if j != len(tokens) // 2 % (k + 1) else (t + 1) % spec.vocab_size for j, t in enumerate(wanted)]
+
+    for drafting in (False, True):
+        engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=256, spec=spec, weights=weights,
+                        speculative=SpeculativeConfig("ngram", 4, adaptive=False) if drafting else None)
+        slots = engine.init_slots(1)
+        slots.admit(0, prompt, n, stop_ids=frozenset())
+        out = []
+        with mock.patch.object(slots_module, "propose", forced):
+            while slots.slots[0].active or slots.in_flight:
+                out += [e.token for e in slots.step()]
+        truth = prompt + out
+        state = slots.slots[0].state
+        answers.append(out)
+        states.append({f"{kind}{i}": t[: state.length].clone() if kind == "k" else t.clone()
+                       for kind, ts in (("k", state.k), ("conv", state.conv), ("rec", state.recurrent))
+                       for i, t in ts.items()})
+        counts = slots.spec_counts, slots.spec_accepted_per_pos
+        del engine, slots
+    same_state = all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+    print(f"drafts check ({spec.num_layers} layers, {len(spec.gdn_layers())} GDN): tokens equal: "
+          f"{answers[0] == answers[1]}; state bitwise equal: {same_state}; drafts {counts[0]}, kept per position "
+          f"{counts[1]}")
+    if answers[0] != answers[1] or not same_state:
+        sys.exit(1)
+
+
 def window_cost(args) -> None:
     """`--window-cost`: c(k) on the GPU, random weights (module docstring)."""
     from shapes import shape
 
     from strata.model.random_weights import random_stage_weights
+    from strata.runtime.drafts import SpeculativeConfig
     from strata.runtime.generate import Engine
     from strata.runtime.window import Window
 
     spec = shape(args.shape, args.layers)
     device = torch.device(args.device)
     counts = [int(x) for x in args.slots.split(",")]
+    check_forced_drafts(shape(args.shape, min(4, spec.num_layers)), device)
+    # drafts configured, so that a model with GDN layers gets its keep slots (written by the drafted rows)
     engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=args.max_cells, spec=spec,
-                    max_window_tokens=max(counts) * 5,
+                    max_window_tokens=max(counts) * 5, speculative=SpeculativeConfig("ngram", 4, max_active=max(counts)),
                     weights=lambda layers, dev, trim: random_stage_weights(spec, layers, dev, torch.bfloat16))
     print(f"{args.shape} ({spec.num_layers} layers), random weights, {torch.cuda.get_device_name(device)}, Triton "
           f"kernels + CUDA graphs; each slot holds a 128-token context")
