@@ -142,8 +142,7 @@ class EngineSettings(StrataSettings):
     spec: str | None = Field(
         None, description="draft tokens and verify them in the windows: ngram:K (K tokens looked up in the sequence's "
         "own text, 1 to 8) or mtp:K (the checkpoint's multi-token-prediction layer, chained); answers gain the "
-        "accepted ones, unchanged; needs --lookahead 0 (taken by default with --spec); mtp and Gated DeltaNet "
-        "models on --kernels torch for now"
+        "accepted ones, unchanged; needs --lookahead 0 (taken by default with --spec)"
     )
     spec_max_active: int | None = Field(
         None, ge=0, description="with --spec: no slot drafts in a window while more than this many slots are active "
