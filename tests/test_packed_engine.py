@@ -32,7 +32,7 @@ F32, Q8_0, Q4_K, Q5_K, Q6_K, IQ3_S = T.F32, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ
 FMT = {Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k", IQ3_S: "iq3_s"}
 
 PROMPT = [(i * 37 + 11) % VOCAB for i in range(10)]
-STEPS = 3  # greedy decode steps after the prompt
+STEPS = 2  # greedy decode steps after the prompt (each a decode window of packed kernels: slow under the interpreter)
 MAX_CELLS = 64
 
 # every matrix's K a multiple of 256 (K-quants): hidden, intermediate, heads * head_dim

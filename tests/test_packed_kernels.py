@@ -71,15 +71,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_packed_experts_are_bitwise_the_dequantized_ones(fmt):
     """Decode tiles (gate_up and down in one launch) and prompt tiles (two launches, pointer loads where the plain
     weights take tensor descriptors), with a shared expert run as one more pair. The K-quants' decode tiles
-    (`packed_mm`) instead match the float32 reference as closely, and a row alone gives its bits in the batch."""
+    (`packed_mm`) instead match the float32 reference as closely, and a row alone gives its bits in the batch (checked
+    on q4_k: the K-quants differ only in how a tile unpacks its codes)."""
     dt = torch.float16
-    E, H, I, k = 6, 256, 256, 2
+    E, H, I, k = 3, 256, 256, 2  # few expert tiles: the K-quants decode slowly under the interpreter
     gu, dn = random_packed(fmt, (E, 2 * I, H), 1, dt), random_packed(fmt, (E, H, I), 2, dt)
     shared = (random_packed(fmt, (2 * I, H), 3, dt), random_packed(fmt, (H, I), 4, dt))
     plain = [dequantize(w).to(dt) for w in (gu, dn, *shared)]
     g = torch.Generator().manual_seed(0)
     router = torch.randn(E, H, generator=g).to(dt)
-    for rows, tiles in [(3, decode_tiles(3)), (40, prompt_tiles(dt))]:
+    for rows, tiles in [(2, decode_tiles(2)), (40, prompt_tiles(dt))]:  # few decode rows: slow under the interpreter
         x = torch.randn(rows, H, generator=g).to(dt)
         out = moe_triton(x, router, gu, dn, k, True, shared, None, tiles=tiles, shared_pair=True)
         want = moe_triton(x, router, plain[0], plain[1], k, True, tuple(plain[2:]), None, tiles=tiles,
@@ -90,8 +91,10 @@ def test_packed_experts_are_bitwise_the_dequantized_ones(fmt):
             reference = moe_triton(x.float(), router.float(), exact[0], exact[1], k, True, tuple(exact[2:]), None,
                                    tiles=tiles, shared_pair=True)
             assert rel_err(out.float(), reference) <= 1.05 * rel_err(want.float(), reference)
-            alone = moe_triton(x[1:2], router, gu, dn, k, True, shared, None, tiles=decode_tiles(1), shared_pair=True)
-            assert torch.equal(alone, out[1:2])
+            if fmt == "q4_k":  # the K-quants share the kernel's sums and differ in unpacking: one row-invariance check
+                alone = moe_triton(x[1:2], router, gu, dn, k, True, shared, None, tiles=decode_tiles(1),
+                                   shared_pair=True)
+                assert torch.equal(alone, out[1:2])
         else:
             assert torch.equal(out, want)
 
