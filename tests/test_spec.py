@@ -365,12 +365,12 @@ def test_mtp_drafts_are_the_reference_layers_chained_and_greedy_is_unchanged(mtp
     check_mtp_drafts(mtp_model, "torch", [repetitive(3, 19), repetitive(4, 11)], 12)
 
 
-@pytest.mark.parametrize("mtp_model", ["qwen3_next-dense"], indirect=True)
+@pytest.mark.parametrize("mtp_model", ["qwen3_next-dense", "qwen3_moe-gqa4"], indirect=True)
 def test_mtp_drafts_on_the_triton_decode_path(mtp_model):
     """The same on the Triton kernels (under Triton's interpreter): the decode windows return their rows' final
-    hidden states for the MTP layer, and the GDN layers step each drafting slot's rows in order and roll back from
-    the keep slots."""
-    check_mtp_drafts(mtp_model, "triton", [repetitive(3, 10), repetitive(4, 7)], 7)  # the interpreter is slow
+    hidden states for the MTP layer, the GDN layers step each drafting slot's rows in order and roll back from the
+    keep slots, and an MTP layer with experts runs them on the Triton MoE kernels."""
+    check_mtp_drafts(mtp_model, "triton", [repetitive(3, 9), repetitive(4, 5)], 6)  # the interpreter is slow
 
 
 def check_mtp_drafts(mtp_model, kernels: str, prompts: list[list[int]], n: int) -> None:

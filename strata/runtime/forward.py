@@ -13,7 +13,7 @@ from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
 from strata.kernels import onednn
 from strata.kernels.invariant import in_row_blocks, plain
-from strata.kernels.moe import combine_triton, moe, swiglu
+from strata.kernels.moe import combine_triton, decode_tiles, moe, moe_triton, swiglu
 from strata.kernels.packed import project
 from strata.kernels.rmsnorm import gated_rms_norm, rms_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin
@@ -165,8 +165,14 @@ class Forward:
         else:
             m = self.spec.moe
             shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
-            x = x + _finished(moe(h, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk,
-                                  shared, w.get("shared_gate"), plain))
+            args = (h, w["router"], w["experts_gate_up"], w["experts_down"], m.top_k, m.norm_topk, shared,
+                    w.get("shared_gate"))
+            if self.prompt_moe is None:
+                x = x + _finished(moe(*args, plain))
+            elif h.shape[0] <= MTP_DECODE_TILE_ROWS:  # on Triton: no host sync, no loop over the experts
+                x = x + moe_triton(*args, tiles=decode_tiles(h.shape[0]))
+            else:  # a paused layer's rows read at once
+                x = x + _finished(self.prompt_moe(*args))
         out = rms_norm(x, w["final_norm"], eps)
         rows = window.logit_rows.to(self.device)
         picks = project(out[rows], w["head"]).argmax(dim=-1)
@@ -277,6 +283,11 @@ class Forward:
         if self.prompt_moe is not None and rows is plain:  # a prompt window: no host sync, grouped GEMMs
             return self.prompt_moe(*args, defer=True)  # its pairs are added by the next residual norm
         return moe(*args, rows)
+
+
+# the MTP layer's MoE on Triton takes decode tiles up to this many rows (a window's drafting slots' rows), prompt tiles
+# past it (a paused layer's rows read at once)
+MTP_DECODE_TILE_ROWS = 64
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
