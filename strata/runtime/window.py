@@ -54,7 +54,7 @@ class Window:
     logit_rows: torch.Tensor  # [N] int64: the rows whose next-token logits are wanted
     pool: StatePool | None = None  # the pool holding every segment's state, when they share one
     seq_ids: torch.Tensor | None = None  # [S] int32: each segment's index in `pool`
-    host: tuple[list[int], ...] | None = None  # tokens (0 for fed rows), positions, logit rows, seq ids
+    host: tuple[list[int], ...] | None = None  # tokens (0 for fed rows), positions, logit rows, seq ids, keep slots
     fed: int = 0  # leading rows whose tokens come from the device (`feed`)
     tail: torch.Tensor | None = None  # with `fed`: the other rows' tokens, on the device
     # [R] int32: the pool's keep slot each row leaves its GDN states in (-1 none), when the pool has keep slots
@@ -109,6 +109,8 @@ class Window:
         seq_list = [s.state.index for s in segments]
         tail = as_tensor(tokens[fed:]) if fed and len(tokens) > fed else None
         keep_list = None
+        if keep and pool is None:
+            raise RuntimeError("drafted rows that keep their GDN states must share one pool with the window's rows")
         if pool is not None and pool.keep_conv:  # every window of such a pool carries them (one graph per row count)
             keep_list = [-1] * row
             for r, slot in keep:
