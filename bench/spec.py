@@ -98,9 +98,10 @@ def decode_set(engine, prompts: list[list[int]], n: int, tokens: int, stop_ids: 
 
 def check_forced_drafts(spec, device: torch.device, prompt_len: int = 64, n: int = 24) -> None:
     """Drafts on this device's kernels and graphs give the tokens and state of decoding without them: one
-    conversation at `spec` (random weights) answers greedily without drafts, then again with drafts that are its
-    own answer with one token changed at a place that moves from window to window (so 0 to 3 of 4 are kept, and
-    GDN layers roll back from their keep slots). Prints what it found; exits 1 when they differ."""
+    conversation at `spec` (random weights) answers greedily without drafts, then with drafts configured but none
+    proposed (the kernels a drafting engine runs), then with drafts that are its own answer with one token changed
+    at a place that moves from window to window (so 0 to 3 of 4 are kept, and GDN layers roll back from their keep
+    slots). Prints what it found and where states differ; exits 1 when they do."""
     from unittest import mock
 
     from strata.model.random_weights import random_stage_weights
@@ -116,28 +117,34 @@ def check_forced_drafts(spec, device: torch.device, prompt_len: int = 64, n: int
         wanted = truth[len(tokens):][:k]
         return [t if j != len(tokens) // 2 % (k + 1) else (t + 1) % spec.vocab_size for j, t in enumerate(wanted)]
 
-    for drafting in (False, True):
+    for run in ("plain", "configured", "drafting"):
         engine = Engine(None, device=device, dtype=torch.bfloat16, max_cells=256, spec=spec, weights=weights,
-                        speculative=SpeculativeConfig("ngram", 4, adaptive=False) if drafting else None)
+                        speculative=None if run == "plain" else SpeculativeConfig("ngram", 4, adaptive=False))
         slots = engine.init_slots(1)
         slots.admit(0, prompt, n, stop_ids=frozenset())
         out = []
-        with mock.patch.object(slots_module, "propose", forced):
+        with mock.patch.object(slots_module, "propose", forced if run == "drafting" else lambda *_: []):
             while slots.slots[0].active or slots.in_flight:
                 out += [e.token for e in slots.step()]
         truth = prompt + out
         state = slots.slots[0].state
         answers.append(out)
         states.append({f"{kind}{i}": t[: state.length].clone() if kind == "k" else t.clone()
-                       for kind, ts in (("k", state.k), ("conv", state.conv), ("rec", state.recurrent))
-                       for i, t in ts.items()})
+                       for kind, ts in (("k", state.k), ("v", state.v), ("conv", state.conv),
+                                        ("rec", state.recurrent)) for i, t in ts.items()})
         counts = slots.spec_counts, slots.spec_accepted_per_pos
         del engine, slots
-    same_state = all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+
+    def differ(a: dict, b: dict) -> list[str]:
+        return [f"{name} (shape)" if a[name].shape != b[name].shape else
+                f"{name} ({float((a[name].float() - b[name].float()).abs().max()):.3g})"
+                for name in a if not torch.equal(a[name], b[name])]
+
     print(f"drafts check ({spec.num_layers} layers, {len(spec.gdn_layers())} GDN): tokens equal: "
-          f"{answers[0] == answers[1]}; state bitwise equal: {same_state}; drafts {counts[0]}, kept per position "
-          f"{counts[1]}")
-    if answers[0] != answers[1] or not same_state:
+          f"{answers[0] == answers[1] == answers[2]}; drafts {counts[0]}, kept per position {counts[1]}")
+    print(f"  state differs, plain vs configured: {differ(states[0], states[1]) or 'nowhere'}; configured vs "
+          f"drafting: {differ(states[1], states[2]) or 'nowhere'}")
+    if not answers[0] == answers[1] == answers[2] or differ(states[0], states[2]):
         sys.exit(1)
 
 

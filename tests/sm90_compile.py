@@ -191,11 +191,11 @@ def cases():
         out.append((f"_conv_decode_kernel{' (keep slots)' if keep else ''}", gdn._conv_decode_kernel, dict(
             constexprs=dict(K=4, BLOCK_C=gdn.CONV_BLOCK_C, KEEP=keep, **pdl),
             pointers=dict(p_seq="i32", p_keep_idx="i32"), plain=("R",))))
-        out.append((f"_rec_decode_kernel (gates made inside{', keep slots' if keep else ''})", gdn._rec_decode_kernel,
-                    dict(constexprs=dict(GROUP=2, DK=128, DV=128, KEY_DIM=2048, BLOCK_DK=128,
-                                         BLOCK_DV=gdn.REC_MAX_BLOCK_DV, GATES=True, KEEP=keep, **pdl),
-                         pointers=dict(p_state=f32, p_seq="i32", p_neg_a=f32, p_dt_bias=f32, p_keep_idx="i32",
-                                       p_keep=f32), plain=("R",))))
+    out.append(("_rec_decode_kernel (gates made inside)", gdn._rec_decode_kernel, dict(
+        constexprs=dict(GROUP=2, DK=128, DV=128, KEY_DIM=2048, BLOCK_DK=128, BLOCK_DV=gdn.REC_MAX_BLOCK_DV,
+                        GATES=True, **pdl),
+        pointers=dict(p_state=f32, p_seq="i32", p_neg_a=f32, p_dt_bias=f32, p_keep_idx="i32", p_keep=f32),
+        plain=("R", "keep_on"))))
     out.append(("_silu_mul_kernel", elementwise._silu_mul_kernel, dict(
         constexprs=dict(SPLIT=2, BLOCK=1024, **pdl), pointers=dict(p_in=f32))))
     out.append(("_gdn_gates_kernel", elementwise._gdn_gates_kernel, dict(

@@ -193,14 +193,16 @@ def _conv_decode_kernel(
 @triton.jit
 def _rec_decode_kernel(
     p_qkv, p_state, p_seq, p_decay, p_beta, p_o, p_neg_a, p_dt_bias, p_keep_idx, p_keep,
-    R, stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh, stride_ks,
+    R, keep_on, stride_qkv, stride_ss, stride_sh, stride_sk, stride_decay, stride_beta, stride_or, stride_oh, stride_ks,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr, KEEP: tl.constexpr,
+    KEY_DIM: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GATES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, value head, Dv block); a run's first row steps its rows in order on a [Dk, BLOCK_DV]
-    state tile held in registers (the others do nothing), one delta-rule step a row (KEEP: the tile after each
-    row with a keep slot is copied there). GATES: p_decay, p_beta hold the projections a and b, and the program
+    state tile held in registers (the others do nothing), one delta-rule step a row (keep_on: the tile after each
+    row with a keep slot is copied there). keep_on is a runtime flag, not a constexpr: a variant compiled with the
+    copies rounded the state differently (3e-8 on an H100), so with and without drafts configured the same kernel
+    runs and a state is the same bits. GATES: p_decay, p_beta hold the projections a and b, and the program
     makes its head's log decay and beta itself (`elementwise.gdn_gate_values`, with p_neg_a and p_dt_bias), bit
     for bit as `gdn_gates_triton`."""
     wait_for_prior(PDL)
@@ -236,9 +238,8 @@ def _rec_decode_kernel(
         b_s = b_s + b_k[:, None] * b_delta[None, :]
         b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BLOCK_DV]
         tl.store(p_o + i_row * stride_or + i_h * stride_oh + o_v, b_o.to(p_o.dtype.element_ty), mask=m_v)
-        if KEEP:
-            i_keep = tl.load(p_keep_idx + i_row)
-            tl.store(p_keep + tl.maximum(i_keep, 0).to(tl.int64) * stride_ks + tile, b_s, mask=m_s & (i_keep >= 0))
+        i_keep = tl.load(p_keep_idx + i_row, mask=keep_on != 0, other=-1)
+        tl.store(p_keep + tl.maximum(i_keep, 0).to(tl.int64) * stride_ks + tile, b_s, mask=m_s & (i_keep >= 0))
     tl.store(p_s, b_s, mask=m_s)
 
 
@@ -302,11 +303,11 @@ def gdn_decode_triton(
     block_dv = min(triton.next_power_of_2(v_head_dim), REC_MAX_BLOCK_DV)
     _rec_decode_kernel[(num_rows, num_v_heads, triton.cdiv(v_head_dim, block_dv))](
         conv_out, rec_pool, seq_ids, decay, beta, out, neg_a.contiguous(), dt_bias.contiguous(), keep_idx, rec_keep,
-        num_rows, conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
+        num_rows, int(keep is not None), conv_out.stride(0), rec_pool.stride(0), rec_pool.stride(1), rec_pool.stride(2),
         decay.stride(0), beta.stride(0), out.stride(0), out.stride(1), rec_keep.stride(0),
         GROUP=num_v_heads // num_k_heads, DK=k_head_dim, DV=v_head_dim,
         KEY_DIM=key_dim, BLOCK_DK=triton.next_power_of_2(k_head_dim), BLOCK_DV=block_dv, GATES=gates is not None,
-        KEEP=keep is not None, **pdl(mixed),
+        **pdl(mixed),
     )  # fmt: skip
     return out
 
