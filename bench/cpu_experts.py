@@ -2,8 +2,8 @@
 
 One window's experts at the Qwen3-30B-A3B shape (hidden 2048, expert width 768, bf16): E distinct experts, each
 with R rows, computed (a) as the pool computes them today, two oneDNN products an expert on weights in oneDNN's
-blocked layout (`strata.kernels.onednn`), and (b) by bench/cpu_kernels/experts_bf16.c, compiled here with
-`gcc -O3 -march=native -fopenmp` (AVX512_BF16 dot products; every expert of the window in one OpenMP region).
+blocked layout (`strata.kernels.onednn`), and (b) by the pool's own kernel, `strata/experts/experts_bf16.c`, built on
+the host by `strata.experts.native` (AVX512_BF16 dot products; every expert of the window in one OpenMP region).
 Printed beside the host's read bandwidth (bench/experts.py's streaming read of 1 GiB, the roofline the issue
 measures against; the experts' bytes must exceed the last-level cache, or they are read from it: 64 experts are
 600 MB): microseconds an expert, GB/s of weights, the share of the roofline, the error against float64, and
@@ -16,10 +16,7 @@ whether a row's output is bitwise the same alone as beside the others (row invar
 from __future__ import annotations
 
 import argparse
-import ctypes
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,25 +26,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experts import host_read_gbps  # noqa: E402  (bench/experts.py's anchor: 1 GiB, beyond any cache)
+from strata.experts import native  # noqa: E402
 from strata.kernels import onednn  # noqa: E402
 from strata.kernels.elementwise import silu_mul  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parent / "cpu_kernels" / "experts_bf16.c"
 H, I = 2048, 768
-
-
-def build() -> ctypes.CDLL | None:
-    out = Path(tempfile.mkdtemp()) / "experts_bf16.so"
-    try:
-        run = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
-                             capture_output=True, text=True)
-    except FileNotFoundError:
-        print("the kernel did not build: no gcc on this machine")
-        return None
-    if run.returncode:
-        print(f"the kernel did not build (it needs gcc and AVX512_BF16): {run.stderr.strip()[:300]}")
-        return None
-    return ctypes.CDLL(str(out))  # after torch: it shares torch's libgomp (same soname)
 
 
 def best(f, repeats: int = 9) -> float:
@@ -69,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     roof = max(host_read_gbps(threads).values())
-    lib = build()
+    lib = native.load()
+    if lib is None:
+        print("the pool's kernel is not available here (no AVX512_BF16 or no gcc): oneDNN's way alone")
     torch.manual_seed(0)
     n = args.experts
     gate_up = [torch.randn(2 * I, H, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
@@ -89,18 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                 ys.append(F.linear(silu_mul(F.linear(v, gate_up[e])), down[e]))
         return torch.cat(ys).float()
 
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    gp, dp = ptrs(gate_up), ptrs(down)
-
     def kernel_way(x, counts):
-        rows = x.shape[0]
-        start = torch.tensor([sum(counts[:e]) for e in range(n)], dtype=torch.int32)
-        count = torch.tensor(counts, dtype=torch.int32)
-        h, a = torch.empty(rows, 2 * I), torch.empty(rows, I, dtype=torch.bfloat16)
-        out = torch.empty(rows, H)
-        ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-        lib.experts_bf16(n, ptr(gp), ptr(dp), ptr(start), ptr(count), ptr(x.contiguous()), ptr(h), ptr(a), ptr(out), H, I)
-        return out
+        return native.experts_bf16(x, counts, gate_up, down, threads)
 
     def reference(x, counts):
         ys, s = [], 0

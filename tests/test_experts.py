@@ -108,6 +108,25 @@ def test_batched_equals_solo_with_the_pool(model):
                                     model.solo)
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe-gqa4"], indirect=True)
+def test_a_bfloat16_pool_on_its_own_kernel_keeps_batched_equal_to_solo(model):
+    """bfloat16 experts in host RAM run on the pool's own kernel where the host builds it (AVX512_BF16 and gcc;
+    oneDNN's products elsewhere): 8 slots decoded together give each slot's solo tokens and a row's logits bit for
+    bit, and the logits are the all-resident bfloat16 engine's to bfloat16 rounding."""
+    from strata.experts import native
+
+    spec = model.spec
+    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
+    budget = (len(moe) * spec.moe.num_experts // 2 + 0.5) * expert_bytes(spec, 2) / 1e9
+    pooled = Engine(model.files, max_cells=256, dtype=torch.bfloat16, expert_budget_gb=[budget])
+    assert pooled.expert_residency() == {"cpu": 0.5}
+    assert all(p.native == (native.load() is not None) for p in pools(pooled).values())
+    full = Engine(model.files, max_cells=256, dtype=torch.bfloat16)
+    prompt, answer = PROMPTS[2], model.solo[2]
+    assert rel_err(every_logit(pooled, prompt, answer), every_logit(full, prompt, answer)) < 3e-2
+    assert_solo_batched_and_bitwise(pooled, [pooled.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS])
+
+
 @pytest.mark.parametrize("frac", [0.5, 1.0])
 def test_pcie_frac_uploads_a_fixed_share_of_the_host_experts(model, frac):
     """--pcie-frac: the device computes the pairs of the first round(F x N) host experts on uploaded weights, the
@@ -403,8 +422,10 @@ def test_a_swapped_out_expert_lands_in_the_pool_before_it_is_read(upload):
     if __import__("strata.kernels.onednn", fromlist=["available"]).available(dtype)
 ])  # oneDNN's blocked weights: float32 wherever torch has oneDNN, bf16 where the CPU has AVX-512 or AMX
 def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
-    """The pool's share of each row, in either weight layout: the float32 sum of its pairs (against a float64
-    reference), and bitwise the same whether the row is computed alone or among other rows in a decode window."""
+    """The pool's share of each row, in either weight layout and on the pool's own kernel (plain bf16 where the host
+    builds it: AVX512_BF16 and gcc): the float32 sum of its pairs (against a float64 reference), and bitwise the same
+    whether the row is computed alone or among other rows in a decode window."""
+    from strata.experts import native
     from strata.experts.pool import ExpertPool
     from strata.kernels.invariant import in_row_blocks
 
@@ -415,6 +436,7 @@ def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
     here = [1, 2, 3, 5, 8, 9, 11]  # the pool's experts (the others are resident elsewhere)
     pool = ExpertPool({"gate_up": gate_up[here], "down": down[here], "ids": torch.tensor(here)}, e, pack=pack)
     assert pool.packed == pack and pool.nbytes == (gate_up[here].numel() + down[here].numel()) * gate_up.element_size()
+    assert pool.native == (dtype == torch.bfloat16 and not pack and native.load() is not None)
     x = torch.randn(rows, h, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
     weights = torch.rand(rows, k, generator=g).to(dtype)

@@ -17,9 +17,14 @@ Quantized experts (the loader keeps a layer's experts packed when the Triton ker
 experts stay 4-bit in host RAM, as torch's CPU int4 products read them (`Int4Expert`: 4.3x fewer bytes than
 bfloat16, 3.3x faster for one row on the CI machine); other packed formats are written out in the rows' dtype.
 
+Plain bfloat16 experts run on the pool's own kernel where the host can build it (`strata.experts.native`:
+AVX512_BF16 and gcc; every expert of a window in one OpenMP region, about twice oneDNN's rate for one to four rows
+on a 16-core GPU host), their weights kept plain; elsewhere on oneDNN's products over its blocked layout.
+
 Row invariance: each expert's pairs run through `rows` (`in_row_blocks` in decode windows: fixed, zero-padded
-blocks of rows), and a row's pair outputs are summed in float32 in ascending expert id. So a row's CPU share,
-like its device share, does not depend on which other rows share the window.
+blocks of rows; the pool's kernel sums each output in one fixed order whatever the rows beside it), and a row's
+pair outputs are summed in float32 in ascending expert id. So a row's CPU share, like its device share, does not
+depend on which other rows share the window.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from strata.experts import native
 from strata.kernels import onednn
 from strata.kernels.elementwise import silu_mul
 from strata.kernels.moe import swiglu
@@ -108,8 +114,13 @@ class ExpertPool:
         # global id -> host slot: 0..U-1 uploaded, U..N-1 computed by the CPU (its lists' entry slot - U); N: not here
         self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)
         self.index[ids] = torch.arange(self.num_here)
-        self.packed = (onednn.available(dtype) if pack is None else pack) and not self.int4
+        # plain bf16 experts on the pool's own kernel where it builds here (`pack` True: oneDNN's products all the same)
+        self.native = pack is not True and not self.int4 and native.usable(gate_up.dtype, gate_up.shape[-1],
+                                                                            gate_up.shape[-2] // 2)
+        self.packed = (onednn.available(dtype) if pack is None else pack) and not self.int4 and not self.native
         n_cpu = self.num_here - u
+        if self.native:  # the kernel reads each expert's matrices whole
+            gate_up, down = gate_up.contiguous(), down.contiguous()
         if self.packed:  # the blocked copies replace the plain ones (no second copy of the pool in host RAM)
             self.gate_up = [onednn.block(gate_up[e]) for e in range(n_cpu)]
             self.down = [onednn.block(down[e]) for e in range(n_cpu)]
@@ -202,9 +213,15 @@ class ExpertPool:
         self.experts_read += int(experts.numel())
         # each expert's rows are a slice of one gather (pairs grouped by expert, a few ops a window, not a few an
         # expert: on the H200 host each small op costs 5-10 us, about an expert's product over 20 of them)
-        parts = list(zip(experts.tolist(), x[pairs // k].split(counts.tolist())))
-        ys = [rows(self._expert, part, e) for e, part in parts]
-        y = torch.cat(ys).float() * weights.reshape(-1)[pairs].float()[:, None]  # [P, H] in expert order
+        grouped = x[pairs // k]  # [P, H]: each expert's rows in turn
+        if self.native:  # every expert of the window in one call (row-invariant by itself)
+            es = experts.tolist()
+            y = native.experts_bf16(grouped, counts.tolist(), [self.gate_up[e] for e in es],
+                                    [self.down[e] for e in es], torch.get_num_threads())
+        else:
+            parts = list(zip(experts.tolist(), grouped.split(counts.tolist())))
+            y = torch.cat([rows(self._expert, part, e) for e, part in parts]).float()
+        y = y * weights.reshape(-1)[pairs].float()[:, None]  # [P, H] in expert order
         return _sum_by_row(y, pairs // k, r, k)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:

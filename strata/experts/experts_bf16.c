@@ -1,5 +1,5 @@
-/* A candidate for the CPU expert pool (issue 29), measured by bench/cpu_experts.py against oneDNN: one window's
-   experts in one OpenMP region (gate_up products, silu(gate) * up rounded to bf16, down products), bf16 x bf16 dot
+/* The CPU expert pool's products for plain bfloat16 experts (strata/experts/native.py builds it on the host; measured
+   by bench/cpu_experts.py against oneDNN): one window's experts in one OpenMP region of `threads` threads (gate_up products, silu(gate) * up rounded to bf16, down products), bf16 x bf16 dot
    products accumulated in float32 (AVX512_BF16's vdpbf16ps). Each output (r, n) is summed in one fixed order
    whatever the rows beside it, so a row's bits do not depend on its neighbours.
 
@@ -37,9 +37,9 @@ static const rows_fn ROWS_FN[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, ro
 /* E experts: expert e's rows are x[start[e] .. start[e] + count[e]) (bf16 [P][H]); its gate_up bf16 [2I][H] at
    address gate_up[e], its down bf16 [H][I] at down[e]. Scratch h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. */
 void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
-                  const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I) {
+                  const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads) {
     int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK;
-    #pragma omp parallel
+    #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
         for (int u = 0; u < E * nb1; u++) {

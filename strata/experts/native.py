@@ -1,0 +1,104 @@
+"""The CPU expert pool's own kernel for plain bfloat16 experts (`experts_bf16.c`): every expert of a window in one
+OpenMP region, AVX512_BF16 dot products summed in float32, each output summed in one fixed order (a row's bits do
+not depend on the rows beside it). On a 16-core GPU host it reads a window's experts at the host's full read
+bandwidth for one row, where two oneDNN products an expert reach about half (docs/PERFORMANCE.md, bench/cpu_experts.py).
+
+It is built on the host the first time a pool asks for it (`gcc -O3 -march=native -fopenmp`, into
+`$XDG_CACHE_HOME/strata/`, reused while the source is the same) and loaded after torch, so it shares torch's
+libgomp. Where the CPU lacks AVX512_BF16, no gcc is found, or the build fails, `load` returns None (said once in
+the log) and the pool keeps oneDNN's products. STRATA_POOL_KERNEL=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("strata.engine")
+SOURCE = Path(__file__).resolve().parent / "experts_bf16.c"
+ALIGN = 32  # the kernel's dot products take 32 bf16 at a time: H and I multiples of it
+
+
+def _cpu_has_bf16_dots() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags.split()
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be had here (why: in the log, once)."""
+    if os.environ.get("STRATA_POOL_KERNEL", "1") == "0":
+        return None
+    if not _cpu_has_bf16_dots():
+        log.info("the CPU expert pool uses oneDNN's products: this CPU has no AVX512_BF16 dot products")
+        return None
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        log.info("the CPU expert pool uses oneDNN's products: no gcc to build its own kernel (install gcc for ~2x "
+                 "faster experts in host RAM)")
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + platform.node().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
+    lib = cache / f"experts_bf16-{digest}.so"
+    if not lib.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
+                built = Path(tmp.name)
+            run = subprocess.run([gcc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o",
+                                  str(built)], capture_output=True, text=True, timeout=120)
+            if run.returncode:
+                built.unlink(missing_ok=True)
+                log.warning("the CPU expert pool uses oneDNN's products: building its kernel failed: %s",
+                            run.stderr.strip()[-300:])
+                return None
+            built.replace(lib)  # atomic: another process loads the whole file or builds its own
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("the CPU expert pool uses oneDNN's products: building its kernel failed: %s", e)
+            return None
+    return ctypes.CDLL(str(lib))
+
+
+def usable(dtype: torch.dtype, hidden: int, width: int) -> bool:
+    """Whether experts of this dtype and shape ([2I, H] and [H, I]) can run on the kernel here."""
+    return dtype == torch.bfloat16 and hidden % ALIGN == 0 and width % ALIGN == 0 and load() is not None
+
+
+def experts_bf16(x: torch.Tensor, counts: list[int], gate_up: list[torch.Tensor], down: list[torch.Tensor],
+                 threads: int) -> torch.Tensor:
+    """x [P, H] bf16, the rows of each expert in turn (counts[e] of them); gate_up[e] [2I, H], down[e] [H, I] bf16,
+    contiguous. Returns [P, H] float32: each row's down(silu(gate) * up), the product rounded to bf16 between."""
+    lib = load()
+    p, hidden = x.shape
+    width = down[0].shape[1]
+    x = x.contiguous()
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    as_ints = lambda xs, dtype: torch.tensor(xs, dtype=dtype)  # noqa: E731
+    gp = as_ints([w.data_ptr() for w in gate_up], torch.int64)
+    dp = as_ints([w.data_ptr() for w in down], torch.int64)
+    start, count = as_ints(starts, torch.int32), as_ints(counts, torch.int32)
+    h = torch.empty(p, 2 * width)
+    a = torch.empty(p, width, dtype=torch.bfloat16)
+    out = torch.empty(p, hidden)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.experts_bf16(len(counts), ptr(gp), ptr(dp), ptr(start), ptr(count), ptr(x), ptr(h), ptr(a), ptr(out),
+                     hidden, width, threads)
+    return out
