@@ -59,8 +59,15 @@ def test_chat_logprobs_are_transformers_log_softmax_streamed_or_not(client, serv
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
     assert [e.token for e in streamed] == [e.token for e in content]
-    # the second request reuses the first's prompt state, so its first row's logits come from another window shape
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # The first request read the prompt in a prompt window; the streamed one found it parked and ran only its last
+    # token again, in a window of another shape, so its rows may round differently (by up to 6e-4 on one CI CPU,
+    # 1e-6 here): against transformers it is held to the same tolerance as the first. A third request, not streamed,
+    # finds the prompt parked the same way, so the streamed values must be its values exactly.
+    again = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [e.logprob for e in streamed] == [e.logprob for e in again]
+    assert [[t.logprob for t in e.top_logprobs] for e in streamed] == [[t.logprob for t in e.top_logprobs]
+                                                                     for e in again]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=2e-3)
 
 
 def test_completion_logprobs_tokens_offsets_and_top(client):
