@@ -810,6 +810,31 @@ def test_a_damaged_or_foreign_file_is_refused_and_the_prompt_read_again(model, p
         assert "moved aside" in caplog.text
 
 
+def test_a_file_parked_by_another_model_of_the_same_shape_is_refused(model, parked, tmp_path, caplog):
+    """The same tiny case built with other weights: its engine finds the first model's file, refuses it, and answers
+    as it answers on its own; a copy of the first model's folder elsewhere is the same model."""
+    from strata.state.parking import model_fingerprint
+
+    spec = ModelFiles.open(model).spec
+    other = tmp_path / "other"
+    build(HYBRID if spec.gdn_layers() else ATTENTION_ONLY, other, seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert model_fingerprint(spec, torch.float32, copy) == model_fingerprint(spec, torch.float32, model)
+    assert model_fingerprint(spec, torch.float32, other) != model_fingerprint(spec, torch.float32, model)
+    assert (model_fingerprint(spec, torch.float32, model, "q8_0")
+            != model_fingerprint(spec, torch.float32, model))
+    own = Driver(engine_with(other, park_gb=0), 2).run(parked.turn2)[0]
+    folder = tmp_path / "park"
+    shutil.copytree(parked.folder, folder)
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        engine = engine_with(other, park_gb=0.05, park_dir=str(folder))
+        answer, reused, _ = Driver(engine, 2).run(parked.turn2)
+    assert reused == 0 and answer == own
+    assert "parked by another model" in caplog.text and parked.name in caplog.text
+    assert (folder / (parked.name + ".refused")).exists()
+
+
 def test_the_disk_budget_holds_and_full_disks_never_fail_a_request(model, parked, tmp_path, monkeypatch, caplog):
     size = (parked.folder / parked.name).stat().st_size  # a finished 14-token conversation's file
     folder = tmp_path / "park"

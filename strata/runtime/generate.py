@@ -95,8 +95,9 @@ class Engine:
             self.lookahead = 0
         self._solo: "Slots | None" = None  # `solo_slots`
         self.parking = ParkingLot(park_budget(park_gb), truncatable=not self.spec.gdn_layers(),
-                                  fingerprint=model_fingerprint(self.spec, dtype,
-                                                                files.checkpoint.path if files is not None else None))
+                                  fingerprint=model_fingerprint(
+                                      self.spec, dtype, files.checkpoint.path if files is not None else None,
+                                      getattr(files.checkpoint, "fmt", None) if files is not None else None))
         self.parking.disk = open_park_dir(park_dir, park_disk_gb, self.parking.fingerprint,
                                           pinned=self.device.type == "cuda")
         problem = park_vram_gb_problem(park_vram_gb)

@@ -129,16 +129,38 @@ class SnapshotRefused(StrataError):
     """A parked image that does not belong to this model, these layers or these tokens, or whose bytes changed."""
 
 
-def model_fingerprint(spec, dtype: torch.dtype, path: str | os.PathLike | None = None) -> str:
-    """What a parked image must have been made by: the model's shapes (its `ModelSpec`), the state's dtype and the
-    checkpoint's weight files (names and sizes; `path` a file or a folder)."""
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # slices of a weight file read into the model's fingerprint
+
+
+def _file_digest(path: str) -> tuple[str, int, str]:
+    """A weight file's name, size and a hash of SAMPLES slices of SAMPLE_BYTES spread over it, from its first byte
+    to its last (the whole file when it is smaller): another model of the same shape has other bytes in every
+    slice, and reading 1 MB of a file costs milliseconds whatever its size."""
+    size = os.path.getsize(path)
+    digest = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        if size <= SAMPLES * SAMPLE_BYTES:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLES):
+                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return os.path.basename(path), size, digest.hexdigest()
+
+
+def model_fingerprint(spec, dtype: torch.dtype, path: str | os.PathLike | None = None,
+                      quantization: str | None = None) -> str:
+    """What a parked image must have been made by: the model's shapes (its `ModelSpec`), the state's dtype, the
+    checkpoint's weight files (`path`, a file or a folder: each one's name, size and sampled bytes, `_file_digest`)
+    and the format its weights were quantized to as they loaded (`--quantization`), so that an image written by
+    another model of the same shape, or by the same model quantized otherwise, is refused."""
     files = []
     if path is not None and os.path.isdir(path):
-        files = sorted((f, os.path.getsize(os.path.join(path, f))) for f in os.listdir(path)
-                       if f.endswith((".safetensors", ".gguf", ".bin")))
+        files = [_file_digest(os.path.join(path, f)) for f in sorted(os.listdir(path))
+                 if f.endswith((".safetensors", ".gguf", ".bin"))]
     elif path is not None and os.path.exists(path):
-        files = [(os.path.basename(path), os.path.getsize(path))]
-    text = f"{spec!r}|{dtype}|{files}"
+        files = [_file_digest(str(path))]
+    text = f"{spec!r}|{dtype}|{files}|{quantization}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
