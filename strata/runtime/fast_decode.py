@@ -211,12 +211,14 @@ class GraphedDecode:
 
 
 class GraphedPooledDecode:
-    """`TritonDecode` of a stage with CPU expert pools, replayed from CUDA graphs in segments: one graph from the
-    window's start (or a pooled layer's return) to the next pooled layer's rows being copied to the host, with that
-    layer's resident experts. Between two segments the host waits for the copy, computes the pool's pairs into a
-    pinned buffer, and the next segment begins by uploading it. So the device's work between two pools costs one
-    graph launch instead of its kernels' launches, and the rows, the pool's inputs and its share live in fixed
-    buffers (captured once per (state pool, row count), as `GraphedDecode`)."""
+    """`TritonDecode` of a stage with CPU expert pools, replayed from CUDA graphs in segments: a head graph from
+    the window's start (or a pooled layer's return) to the next pooled layer's rows being copied to the host, then
+    a tail graph with that layer's resident experts. The copy's event is recorded between the two, so the host
+    waits for the copy alone and computes the pool's pairs into a pinned buffer while the device runs the tail;
+    the next head begins by uploading that share. (With one graph a segment the event came after the resident
+    experts, and the host's pairs and the device's ran one after the other.) So the device's work between two
+    pools costs two graph launches instead of its kernels' launches, and the rows, the pool's inputs and its share
+    live in fixed buffers (captured once per (state pool, row count), as `GraphedDecode`)."""
 
     WARMUP = 2
 
@@ -244,8 +246,8 @@ class GraphedPooledDecode:
         segments, bufs, io, out = entry
         _copy_inputs(bufs, inputs)
         stream = torch.cuda.current_stream(tokens.device)
-        for k, graph in enumerate(segments):
-            if k:  # the pool of the layer the last segment ended at: its rows are on the host once the copy is done
+        for k, (head, tail) in enumerate(segments):
+            if k:  # the pool of the layer the last head ended at: its rows are on the host once the copy is done
                 layer, x_h, w_h, ids_h, share_h, cpu_rows, up_buf, x_d, w_d, copied = io[k - 1]
                 the_pool = self.decode.pools[layer]
                 start = time.perf_counter()
@@ -258,9 +260,10 @@ class GraphedPooledDecode:
                     else:
                         up_buf.copy_(uploaded)
                 share_h.copy_(the_pool.compute(x_h, w_h, ids_h, cpu_rows))
-            graph.replay()
-            if k < len(io):
-                io[k][-1].record(stream)
+            head.replay()
+            if tail is not None:
+                io[k][-1].record(stream)  # the rows' copy to the host is done when this fires
+                tail.replay()  # the layer's resident experts, while the host computes its pairs
         return _cloned(out)
 
     def _capture(self, pool, tokens, positions, seq_ids, keep_idx):
@@ -293,8 +296,8 @@ class GraphedPooledDecode:
         steps = self.decode.steps(pool, *bufs)
         segments, out, share, up_buf = [], None, None, None
         while out is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
+            head, tail = torch.cuda.CUDAGraph(), None
+            with torch.cuda.graph(head, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
                 try:
                     if share is None:
                         ask = next(steps)
@@ -312,11 +315,14 @@ class GraphedPooledDecode:
                         raise RuntimeError(f"routing weights {weights.dtype} / ids {ids.dtype}: expected float32 / int32")
                     slot[2].copy_(weights, non_blocking=True)
                     slot[3].copy_(ids, non_blocking=True)
-                    _, slot[5] = steps.send(None)  # the layer's resident experts, queued
-                    share, up_buf = slot[4], slot[6]
                 except StopIteration as done:
                     out = done.value
-            segments.append(graph)
+            if out is None:  # the layer's resident experts, in a graph of their own (see the class)
+                tail = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(tail, pool=self.memory_pool, stream=stream, capture_error_mode="thread_local"):
+                    _, slot[5] = steps.send(None)
+                share, up_buf = slot[4], slot[6]
+            segments.append((head, tail))
         for t, snapshot in saved:  # the capture queued nothing that ran; restore anyway for symmetry
             t[rows] = snapshot
         return segments, bufs, [tuple(s) for s in io], out
