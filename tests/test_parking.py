@@ -406,16 +406,28 @@ def test_a_conversation_parked_again_after_a_restore_copies_only_its_new_cells(m
     assert engine.parking.refused == 0
 
 
+def live_state(state: SessionState) -> tuple:
+    """A slot's tokens and a copy of its committed cells and GDN states."""
+    n = state.length
+    cells = [t[:n].clone() for t in (*state.k.values(), *state.v.values())]
+    return list(state.tokens), cells + [t.clone() for t in (*state.conv.values(), *state.recurrent.values())]
+
+
 def test_a_corrupt_parked_conversation_is_read_again_and_answers_the_same(model, caplog):
     engine = engine_with(model, park_gb=0.05)
     driver = Driver(engine, 2)
     turn1 = conversation(0)
     answer, _, _ = driver.run(turn1)
-    driver.run(conversation(1))
-    driver.run(conversation(2))  # conversation 0 is parked now
+    for k in (1, 2, 3):  # conversations 0 and 1 are parked now, 2 and 3 in the slots
+        driver.run(conversation(k))
     (snap,) = [s for s in engine.parking._snapshots.values() if s.tokens[: len(turn1)] == turn1]
-    others = {key: (s.tokens, [t.clone() for t in (*s.k.values(), *s.conv.values())])
+    others = {key: (s.tokens, [t.clone() for t in (*s.k.values(), *s.v.values(), *s.conv.values(),
+                                                   *s.recurrent.values())])
               for key, s in engine.parking._snapshots.items() if s is not snap}
+    assert len(others) == 1  # conversation 1's image
+    slots = driver.scheduler.slots.slots
+    (kept,) = [slot for slot in slots if slot.state.tokens[:14] == conversation(3)]  # the slot turn 2 does not take
+    kept_before = live_state(kept.state)
     flip_a_byte(next(iter(snap.recurrent.values())) if snap.recurrent else next(iter(snap.k.values())), at=40)
     turn2 = turn1 + answer + [3, 1, 4, 1, 5]
     with caplog.at_level("WARNING", logger="strata.engine"):
@@ -425,11 +437,13 @@ def test_a_corrupt_parked_conversation_is_read_again_and_answers_the_same(model,
     stayed = Driver(engine_with(model, park_gb=0), 2)
     stayed.run(turn1)
     assert again == stayed.run(turn2)[0]
-    for key, (tokens_, tensors) in others.items():  # the other parked conversations: untouched
-        if key in engine.parking._snapshots:
-            s = engine.parking._snapshots[key]
-            assert s.tokens == tokens_ and all(torch.equal(a, b) for a, b in zip((*s.k.values(), *s.conv.values()),
-                                                                                  tensors))
+    for key, (tokens_, tensors) in others.items():  # the other parked conversation: untouched, bit for bit
+        s = engine.parking._snapshots[key]
+        assert s.tokens == tokens_
+        after = (*s.k.values(), *s.v.values(), *s.conv.values(), *s.recurrent.values())
+        assert len(after) == len(tensors) and all(torch.equal(a, b) for a, b in zip(after, tensors))
+    tokens_after, cells_after = live_state(kept.state)  # and the conversation in the other slot
+    assert tokens_after == kept_before[0] and all(torch.equal(a, b) for a, b in zip(cells_after, kept_before[1]))
 
 
 def test_restored_logits_are_close_to_reading_the_whole_prompt(model):
