@@ -525,3 +525,24 @@ def test_hybrid_gguf_missing_metadata_or_tensor(hybrid_pair, tmp_path):
         write_hybrid_gguf(no_gate, gguf_arch, cfg, {k: v for k, v in tensors.items() if k != "blk.2.attn_gate.weight"})
         with pytest.raises(CheckpointError, match=r"no_gate\.gguf: tensor 'blk\.2\.attn_gate\.weight' is missing"):
             ModelFiles.open(no_gate)
+
+
+def test_a_tensor_of_a_type_nothing_reads_is_refused_at_open_and_exits_2(tmp_path, capsys):
+    """An integer tensor where the model needs weights: refused when the file is opened (not half-way through a
+    load), naming the tensor and its type; the same type in a tensor the model does not use is no obstacle."""
+    from strata.cli import main
+
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (16, 8), "output.weight": (16, 8), "blk.0.attn_q.weight": (12, 8),
+              "blk.0.attn_k.weight": (6, 8)}
+    tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    unused = tmp_path / "unused.gguf"
+    write_tiny_gguf(unused, "qwen3moe", {**tensors, "blk.0.not_a_weight.weight": np.arange(6, dtype=np.int32)})
+    assert GGUFCheckpoint(unused).load("model.layers.0.self_attn.q_proj.weight").shape == (12, 8)
+    path = tmp_path / "int.gguf"
+    write_tiny_gguf(path, "qwen3moe", {**tensors, "blk.0.attn_k.weight": np.ones((6, 8), dtype=np.int32)})
+    with pytest.raises(CheckpointError, match=r"'blk.0.attn_k.weight' \(model.layers.0.self_attn.k_proj.weight\) is "
+                                              r"stored as I32, a type Strata cannot read \(it reads F32, F16, .*Q4_K"):
+        GGUFCheckpoint(path)
+    assert main(["generate", "--model", str(path), "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
+    assert "is stored as I32" in capsys.readouterr().err

@@ -15,6 +15,7 @@ element and takes 1.5 s on the 49k-token vocabulary of a 135M model; `gguf` stil
 type tables and the dequantization.
 """
 
+import functools
 import mmap
 import re
 import struct
@@ -210,6 +211,16 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
+@functools.cache
+def _readable(qtype: GGMLQuantizationType) -> bool:
+    """Whether the loader's dequantizer reads tensors of this type (one zero block tried)."""
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+        return True
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return False
+
+
 class GGUFCheckpoint:
     """A GGUF file: config and tensor index read at open, tensor data read by `load`."""
 
@@ -229,6 +240,19 @@ class GGUFCheckpoint:
         self.arch = self._architecture()
         self.config = self._build_config({info.gguf_name: info.shape for info in infos})
         self._tensors = self._sources(infos)
+        self._check_types()
+
+    def _check_types(self) -> None:
+        """Refuse at open a tensor the model needs whose type nothing here reads (an integer tensor, a block type
+        `gguf` has no dequantizer for): loading it would fail half-way through the weights."""
+        for name, source in self._tensors.items():
+            for info in source.parts:
+                if not _readable(info.qtype):
+                    known = ", ".join(t.name for t in GGMLQuantizationType if _readable(t))
+                    raise CheckpointError(
+                        f"{self.path}: tensor {info.gguf_name!r} ({name}) is stored as {info.qtype.name}, a type "
+                        f"Strata cannot read (it reads {known}); write the file again with one of them (llama.cpp's "
+                        "llama-quantize)")
 
     def _map_file(self) -> mmap.mmap:
         if not self.path.is_file():
