@@ -127,3 +127,28 @@ def test_autoconfig_counts_the_packed_sizes(folders):
     assert out.returncode == 0, out.stderr
     proposal = json.loads(out.stdout)
     assert proposal["settings"]["quantization"] == "q4_k" and "quantization" in proposal["reasons"]
+
+
+def test_an_expert_budget_counts_packed_experts_at_their_packed_size(folders):
+    """A GPU stage that keeps q4_k experts packed fits as many in a budget as their packed bytes allow, the size
+    autoconfig counts when it proposes the budget (it used to count them at bf16: 3.2x fewer resident)."""
+    from autoconfig.facts import read_model
+    from strata.experts.budget import check_expert_budget
+    from strata.runtime.generate import packed_expert_bytes
+
+    base, _ = folders
+    files = ModelFiles.open(base, "q4_k")
+    spec = files.spec
+    size = packed_expert_bytes(files, torch.bfloat16, 2)
+    moe_layers = [i for i, layer in enumerate(spec.layers) if layer.mlp == "moe"]
+    per_layer = sum(read_model(files, packed=True).expert_bytes) // len(moe_layers)
+    assert size * spec.moe.num_experts == per_layer  # the engine's expert is autoconfig's
+    assert packed_expert_bytes(ModelFiles.open(base), torch.bfloat16, 2) is None  # float weights: nothing packed
+    plan = [(range(spec.num_layers), torch.device("cuda"))]
+    budget = 3 * size * len(moe_layers) / 1e9  # three packed experts a layer
+    (packed,) = check_expert_budget(spec, plan, [budget], 2, host_available=10**12, packed_bytes=size)
+    (plain,) = check_expert_budget(spec, plan, [budget], 2, host_available=10**12)
+    assert packed.per_layer == 3 and plain.per_layer == 0
+    assert packed.device_bytes == 3 * size * len(moe_layers)
+    cpu = [(range(spec.num_layers), torch.device("cpu"))]  # a CPU stage reads its experts written out
+    assert check_expert_budget(spec, cpu, [budget], 2, host_available=10**12, packed_bytes=size)[0].per_layer == 0

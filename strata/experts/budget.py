@@ -33,10 +33,13 @@ def host_available_bytes() -> int | None:
 
 
 def check_expert_budget(spec: ModelSpec, plan: list[tuple[range, torch.device]], budget_gb: list[float] | None,
-                        dtype_bytes: int, host_available: int | None = None) -> list[StageResidency]:
+                        dtype_bytes: int, host_available: int | None = None,
+                        packed_bytes: int | None = None) -> list[StageResidency]:
     """Each stage's residency under `budget_gb` (one value for every stage, or one per stage; None: no budget,
     every expert resident). `host_available`: bytes of RAM the experts left to the host may take (default: the
-    host's MemAvailable); a stage on the CPU itself takes none, its experts are in RAM either way."""
+    host's MemAvailable); a stage on the CPU itself takes none, its experts are in RAM either way. `packed_bytes`:
+    one expert's bytes on a GPU stage that keeps quantized weights packed (None: plain): the budget holds as many
+    experts as fit at that size (autoconfig counts the same packed sizes)."""
     if budget_gb is not None:
         if len(budget_gb) not in (1, len(plan)):
             raise StrataError(f"--expert-budget-gb has {len(budget_gb)} values for {len(plan)} stage(s): give one "
@@ -48,7 +51,8 @@ def check_expert_budget(spec: ModelSpec, plan: list[tuple[range, torch.device]],
     stages = []
     for k, (layers, device) in enumerate(plan):
         budget = None if budget_gb is None else budget_gb[k if len(budget_gb) > 1 else 0] * 1e9
-        res = plan_residency(spec, layers, device, budget, dtype_bytes)
+        res = plan_residency(spec, layers, device, budget, dtype_bytes,
+                             packed_bytes if device.type == "cuda" else None)
         stages.append(res)
         if budget is not None and res.resident:
             log.info("stage %d (%s): %d of %d routed experts resident in each of its %d MoE layers: %.2f GB on the "

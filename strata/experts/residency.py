@@ -33,8 +33,9 @@ class StageResidency:
 
     device: torch.device
     num_experts: int  # per MoE layer
-    expert_bytes: int  # one expert at the engine's dtype
+    expert_bytes: int  # one expert as the device holds it (packed, for weights kept quantized; else the dtype's)
     resident: dict[int, tuple[int, ...]]  # MoE layer -> resident expert ids, ascending
+    host_expert_bytes: int = 0  # one expert in host RAM (at most the dtype's); 0: expert_bytes
 
     @property
     def per_layer(self) -> int:
@@ -52,7 +53,8 @@ class StageResidency:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.num_experts - len(ids) for ids in self.resident.values()) * self.expert_bytes
+        return sum(self.num_experts - len(ids) for ids in self.resident.values()) * (self.host_expert_bytes
+                                                                                     or self.expert_bytes)
 
     @property
     def fraction(self) -> float:
@@ -71,15 +73,18 @@ def chosen(num_experts: int, count: int) -> tuple[int, ...]:
 
 
 def plan_residency(spec: ModelSpec, layers: range, device: torch.device, budget_bytes: float | None,
-                   dtype_bytes: int) -> StageResidency:
-    """The residency of one stage's MoE layers under `budget_bytes` (None: no budget, every expert resident)."""
+                   dtype_bytes: int, packed_bytes: int | None = None) -> StageResidency:
+    """The residency of one stage's MoE layers under `budget_bytes` (None: no budget, every expert resident).
+    `packed_bytes`: one expert's bytes as the device keeps it when its weights stay quantized (None: plain, at
+    `dtype_bytes` a value); the budget counts experts at that size."""
     moe_layers = [i for i in layers if spec.layers[i].mlp == "moe"]
     e = spec.moe.num_experts if spec.moe else 0
-    size = expert_bytes(spec, dtype_bytes)
+    plain = expert_bytes(spec, dtype_bytes)
+    size = packed_bytes or plain
     count = e
     if budget_bytes is not None and moe_layers:  # (a millionth of an expert forgives GB -> bytes rounding)
         count = min(e, int(budget_bytes / (len(moe_layers) * size) + 1e-6))
-    return StageResidency(device, e, size, {i: chosen(e, count) for i in moe_layers})
+    return StageResidency(device, e, size, {i: chosen(e, count) for i in moe_layers}, plain)
 
 
 def split_experts(gate_up: torch.Tensor | PackedWeight, down: torch.Tensor | PackedWeight, resident: tuple[int, ...],

@@ -117,7 +117,12 @@ class Engine:
             raise StrataError("a layer split needs a checkpoint (or a weights factory) to load each stage from")
         # expert_budget_gb: per stage, GB of routed experts kept on its device; the CPU pool computes the rest
         # (strata.experts), in cpu_threads threads (torch's, process-wide: a GPU engine does no other CPU math)
-        residency = check_expert_budget(self.spec, plan, expert_budget_gb, torch.tensor([], dtype=dtype).element_size())
+        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+        packed_experts = None  # one expert's bytes where a GPU stage keeps quantized experts packed
+        if expert_budget_gb is not None and files is not None and kernels == "triton" and not dequantize_weights \
+                and expert_residency != "hot":
+            packed_experts = packed_expert_bytes(files, dtype, dtype_bytes)
+        residency = check_expert_budget(self.spec, plan, expert_budget_gb, dtype_bytes, packed_bytes=packed_experts)
         set_pool_threads(cpu_threads, residency)
         stages = []
         for k, (layers, stage_device) in enumerate(plan):
@@ -303,3 +308,24 @@ DEFAULT_WINDOW_TOKENS = {"cuda": 2048, "cpu": 256}
 def default_window_tokens(device: torch.device) -> int:
     """`--max-window-tokens` when not given: measured per device kind (docs/PERFORMANCE.md, bench/serve.py)."""
     return DEFAULT_WINDOW_TOKENS.get(torch.device(device).type, DEFAULT_WINDOW_TOKENS["cpu"])
+
+
+def packed_expert_bytes(files: ModelFiles, dtype: torch.dtype, dtype_bytes: int) -> int | None:
+    """One routed expert's bytes as the Triton kernels keep it when its weights stay quantized (the loader's own
+    plan, `ModelFiles.packed_plan`: gate/up and down each packed or plain), or None when no expert is packed."""
+    from strata.quant.packed import packed_nbytes
+
+    spec = files.spec
+    if spec.moe is None:
+        return None
+    layers, _ = files.packed_plan(dtype)
+    h, i = spec.hidden_size, spec.moe.expert_dim
+    for layer, formats in layers.items():
+        if spec.layers[layer].mlp != "moe":
+            continue
+        parts = (("experts_gate_up", 2 * i, h), ("experts_down", h, i))
+        if not any(name in formats for name, _, _ in parts):
+            return None
+        return sum(packed_nbytes(formats[name], n, k) if name in formats else n * k * dtype_bytes
+                   for name, n, k in parts)
+    return None
