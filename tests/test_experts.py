@@ -504,17 +504,20 @@ def test_hot_residency_refreshes_between_windows(model, monkeypatch):
     from strata.runtime import scheduler
 
     monkeypatch.setattr(scheduler, "REFRESH_WINDOWS", 2)
+    answers = {}
     for mode, refreshes in (("hot", True), ("fixed", False)):
         engine = Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)], expert_residency=mode)
-        calls = []
+        calls, moved = [], []
         real = engine.refresh_experts
-        monkeypatch.setattr(engine, "refresh_experts", lambda: calls.append(1) or real())
-        answers = batched(engine, 4)
+        monkeypatch.setattr(engine, "refresh_experts", lambda: calls.append(1) or moved.append(real()))
+        answers[mode] = batched(engine, 4)
         assert bool(calls) == refreshes
         for pool in pools(engine).values():  # every routed pair counted (halved at each refresh when hot)
             assert 0 < pool.counts.sum() <= pool.pairs_total and (mode == "hot" or pool.counts.sum() == pool.pairs_total)
         if mode == "hot":
-            assert len(answers) == 4 and all(len(a) == NEW for a in answers)
+            assert any(moved)  # some refresh swapped experts in mid-decode
+    # the device's experts and the pool's compute a pair alike on the CPU: swaps between windows change no token
+    assert answers["hot"] == answers["fixed"] and all(len(a) == NEW for a in answers["hot"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
