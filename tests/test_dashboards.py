@@ -37,12 +37,10 @@ ROUTER_METRICS = {"vllm:current_qps", "vllm:healthy_pods_total", "router_cpu_usa
 NOT_YET_EXPORTED: set[str] = set()
 # NVML's utilisation per GPU: no series on a machine without a GPU (CI), checked where there is one.
 GPU_ONLY = {"strata:gpu_util", "strata:gpu_memory_used_bytes", "strata:gpu_memory_total_bytes"}
-# Ratios whose denominator is legitimately zero here, so they answer NaN (the series must still be there);
-# not the drafts': the live server drafts (`--spec ngram:2`), so theirs must answer numbers.
-ZERO_DENOMINATORS = {
-    "vllm:prefix_cache_queries_total",  # the server never reports prefix-cache lookups (Metrics.prefix_cache)
-    "vllm:gpu_prefix_cache_queries_total",
-}
+# Ratios whose denominator is legitimately zero here, so they answer NaN (the series must still be there): the
+# live server has no CPU expert pool, so no pooled pair to take a hit rate of. Not the drafts' or the prefix
+# cache's: the server drafts (`--spec ngram:2`) and its follow-up request looks its prompt up in the prefix cache.
+ZERO_DENOMINATORS = {"strata:expert_pairs_total"}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -110,7 +108,9 @@ def test_dashboards_show_what_the_issue_lists():
                  "prefix_cache_hits_total", "spec_decode_num_accepted_tokens_total"):
         assert f"vllm:{name}" in vllm, name
     assert "by (finished_reason)" in vllm
-    for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "slots_in_use", "slots_total",
+    for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "expert_pairs_total",
+                 "expert_pool_seconds_total", "expert_pool_read_bytes_total", "expert_upload_bytes_total",
+                 "slots_in_use", "slots_total",
                  "parked_conversations", "parked_disk_conversations", "parked_bytes", "parked_disk_bytes",
                  "parked_vram_conversations", "parked_vram_bytes",
                  "parked_restore_seconds_bucket", "pipeline_groups"):
@@ -119,6 +119,7 @@ def test_dashboards_show_what_the_issue_lists():
                  "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total"):
         assert f"vllm:{name}" in engine, name  # draft acceptance: rate, tokens per draft, by position
     assert "by (model_name, position)" in engine
+    assert 'strata:expert_pairs_total{model_name=~"$model_name", where="device"}' in engine  # the hit rate
 
 
 def test_peer_dashboards_are_there():
