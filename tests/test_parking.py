@@ -954,3 +954,12 @@ def test_park_vram_gb_is_refused_where_it_cannot_work(model):
         EngineSettings(park_vram_gb=-1)
     with pytest.raises(ValidationError, match="not a size"):
         EngineSettings(park_vram_gb=float("nan"))
+
+
+def test_checkpoints_off_with_pipelined_groups_is_said_at_start(model, caplog):
+    """GDN checkpoints are not kept with --batch-groups > 1 (the stages' workers queue the windows): the engine
+    says so at start, for a hybrid model only."""
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        engine_with(model, park_gb=0, layer_split="2,2", batch_groups=2, checkpoint_every=0)
+    hybrid = bool(ModelFiles.open(model).spec.gdn_layers())
+    assert ("GDN checkpoints (--checkpoint-every) are not kept with --batch-groups 2" in caplog.text) == hybrid

@@ -5,6 +5,7 @@ engine process: a lone request is a slot like any other."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from strata.grammar import Grammars
     from strata.runtime.slots import Slots
 
+log = logging.getLogger("strata.engine")
 
 @dataclass
 class Generation:
@@ -88,6 +90,10 @@ class Engine:
             raise StrataError(f"--checkpoint-every {checkpoint_every}: give 0 or more prompt tokens (0: only the "
                               "checkpoint before each prompt's last token)")
         self.checkpoint_every = checkpoint_every  # GDN checkpoints while prompts are read (`Slots`), None: none
+        if checkpoint_every is not None and batch_groups > 1 and self.spec.gdn_layers():
+            log.warning("GDN checkpoints (--checkpoint-every) are not kept with --batch-groups %d: the stages' workers "
+                        "queue the windows; a prompt is then reused only where a held or parked conversation's "
+                        "every token begins it (--batch-groups 1 keeps them)", batch_groups)
         if speculative is not None:
             if lookahead == 1:
                 raise StrataError(f"--spec {speculative} needs --lookahead 0: the window after a drafting slot's "
