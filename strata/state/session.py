@@ -149,6 +149,9 @@ class SessionState:
         for i in self.conv:
             kept[i] = tuple(_host_copy(t) for t in (self.conv[i], self.recurrent[i]))
             devices.add(self.conv[i].device)
+        # the copies already done need no waiting for: only those in flight stay (the list would grow with every
+        # prompt the slot reads, and each park waits on it)
+        self.checkpoint_events = [e for e in self.checkpoint_events if not e.query()]
         for device in devices:
             if device.type == "cuda":
                 event = torch.cuda.Event()
