@@ -101,11 +101,15 @@ def test_half_resident_greedy_tokens_equal_all_resident(model):
         assert pooled.generate(PROMPTS[i], NEW, stop_ids=frozenset()).ids == model.solo[i]
 
 
-def test_batched_equals_solo_with_the_pool(model):
-    """8 slots decoded together, each row's CPU pairs computed beside 7 others: the solo tokens, and the solo logits
-    bit for bit."""
-    assert_solo_batched_and_bitwise(Engine(model.files, max_cells=256, expert_budget_gb=[half(model.spec)]),
-                                    model.solo)
+@pytest.mark.parametrize("share", [2, 4], ids=["50%", "25%"])
+def test_batched_equals_solo_with_the_pool(model, share):
+    """8 slots decoded together, each row's CPU pairs computed beside 7 others, with half or a quarter of the
+    experts resident: the solo tokens, and the solo logits bit for bit."""
+    spec = model.spec
+    count = spec.moe.num_experts // share
+    engine = Engine(model.files, max_cells=256, expert_budget_gb=[budget_gb(spec, range(spec.num_layers), count)])
+    assert engine.expert_residency() == {"cpu": count / spec.moe.num_experts}
+    assert_solo_batched_and_bitwise(engine, model.solo)
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe-gqa4"], indirect=True)
