@@ -461,9 +461,10 @@ def test_restored_logits_are_close_to_reading_the_whole_prompt(model):
     torch.testing.assert_close(restored, fresh, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("split", [None, "2,2"], ids=["one-stage", "two-stages"])
+@pytest.mark.parametrize("split", [None, "2,2", "1,2,1"], ids=["one-stage", "two-stages", "three-stages"])
 def test_a_single_slot_restores_a_parked_conversation(model, split):
-    engine = engine_with(model, park_gb=0.05, layer_split=split)
+    # with GDN checkpoints as `strata serve` keeps them by default (before each prompt's last token)
+    engine = engine_with(model, park_gb=0.05, layer_split=split, checkpoint_every=0)
     driver = Driver(engine, 1)
     turn1 = conversation(5)
     answer, reused, _ = driver.run(turn1)
@@ -474,7 +475,7 @@ def test_a_single_slot_restores_a_parked_conversation(model, split):
     again, reused, _ = driver.run(turn2)
     assert reused == len(turn1) + len(answer) - 1
     assert engine.parking.conversations == 1  # conversation 6 now, conversation 5 is back in the slot
-    stayed = Driver(engine_with(model, park_gb=0, layer_split=split), 1)
+    stayed = Driver(engine_with(model, park_gb=0, layer_split=split, checkpoint_every=0), 1)
     stayed.run(turn1)
     stayed_again, stayed_reused, _ = stayed.run(turn2)
     assert stayed_reused == len(turn1) + len(answer) - 1 and again == stayed_again
@@ -771,6 +772,15 @@ def test_after_a_restart_a_follow_up_reads_only_its_new_tokens_and_answers_as_if
     gdn = bool(engine.spec.gdn_layers())
     assert (parked.name in names) == gdn  # without GDN layers the second turn's file covers the first's
     assert len(names) == (2 if gdn else 1)
+
+
+@pytest.mark.parametrize("split", ["2,2", "1,2,1"], ids=["two-stages", "three-stages"])
+def test_a_file_parked_by_one_stage_is_restored_by_a_split_engine_after_a_restart(model, parked, tmp_path, split):
+    """An image holds the whole model's state, so a restart under another layer split reads it (each stage takes
+    its layers' cells and states) and answers as if the conversation had stayed."""
+    engine, _ = restarted(model, parked, tmp_path, layer_split=split, checkpoint_every=0)
+    answer, reused, _ = Driver(engine, 2).run(parked.turn2)
+    assert reused == parked.held and answer == parked.answer and engine.parking.refused == 0
 
 
 @pytest.mark.parametrize("damage", ["byte", "truncated", "cut-after-start", "model", "version", "tokens", "garbage"])
