@@ -441,12 +441,13 @@ def test_a_paused_mtp_layer_catches_up_when_drafting_resumes(mtp_model, cap, mon
     assert slots.spec_counts["drafts"] >= 5
 
 
-@pytest.mark.parametrize("mtp_model", ["llama-gqa-tied"], indirect=True)
+@pytest.mark.parametrize("mtp_model", ["llama-gqa-tied", "qwen3_next-dense"], indirect=True)
 def test_mtp_cells_come_back_with_a_reused_or_parked_prefix(mtp_model):
     """A follow-up that reuses a parked conversation's prefix (and one that reuses an idle slot's) drafts from MTP
-    cells that were parked and restored (copied) with the rest: its drafts equal the reference's."""
+    cells that were parked and restored (copied) with the rest: its drafts equal the reference's. The hybrid model
+    keeps GDN checkpoints as `strata serve` does by default."""
     folder, model, tensors = mtp_model
-    engine = Engine(ModelFiles.open(folder), max_cells=128,
+    engine = Engine(ModelFiles.open(folder), max_cells=128, checkpoint_every=0,
                     speculative=SpeculativeConfig("mtp", 2, adaptive=False, within_row_block=False))
     reference = ReferenceMTP(model.eval(), tensors)
     slots = engine.init_slots(2)
@@ -465,9 +466,11 @@ def test_mtp_cells_come_back_with_a_reused_or_parked_prefix(mtp_model):
     _, answer, _ = run(0, first, 8)
     run(0, repetitive(9, 14), 4)  # another conversation in the slot: the first is parked
     assert engine.parking.conversations >= 1
-    for slot in (0, 1):  # from parking into slot 0; then slot 1 copies slot 0's idle state
+    # from parking into slot 0; then slot 1 copies slot 0's idle state (not a hybrid model's: its GDN state cannot
+    # be cut back to the shorter prompt, no checkpoint was kept for 2 tokens read)
+    for slot in (0,) if engine.spec.gdn_layers() else (0, 1):
         reused, _, seen = run(slot, first + answer + [7, 8], 6)
-        assert reused >= len(first), reused
+        assert reused >= len(first), (slot, reused)
         assert seen and all(d == reference.drafts(ids, len(d)) for ids, d in seen)
 
 
