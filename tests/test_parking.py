@@ -973,3 +973,33 @@ def test_checkpoints_off_with_pipelined_groups_is_said_at_start(model, caplog):
         engine_with(model, park_gb=0, layer_split="2,2", batch_groups=2, checkpoint_every=0)
     hybrid = bool(ModelFiles.open(model).spec.gdn_layers())
     assert ("GDN checkpoints (--checkpoint-every) are not kept with --batch-groups 2" in caplog.text) == hybrid
+
+
+def test_parked_conversations_restored_together_in_shared_windows_answer_as_if_they_had_stayed(model):
+    """Four conversations parked (others took their slots), then their follow-ups admitted at once: each restores its
+    parked prefix (hybrid models too: the follow-up goes on from the whole conversation) and is read beside the
+    others in shared windows, and each answer equals the follow-up run alone on an engine that never parked."""
+    engine = engine_with(model, park_gb=0.05, checkpoint_every=0, max_window_tokens=16)
+    slots = engine.init_slots(4)
+    first = {k: conversation(20 + k) for k in range(4)}
+    for k in range(4):
+        slots.admit(k, first[k], NEW, stop_ids=frozenset())
+    answers: dict[int, list[int]] = {}
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            answers.setdefault(e.slot, []).append(e.token)
+    for k in range(4):  # others take the four slots: the first four are parked
+        slots.admit(k, conversation(40 + k), 2, stop_ids=frozenset())
+    while slots.active or slots.in_flight:
+        slots.step()
+    assert engine.parking.conversations >= 4
+    follow = {k: first[k] + answers[k] + [3, k + 1, 4] for k in range(4)}
+    reused = {k: slots.admit(k, follow[k], NEW, stop_ids=frozenset()) for k in range(4)}
+    assert all(reused[k] == len(first[k]) + NEW - 1 for k in range(4)), reused
+    got = {}
+    while slots.active or slots.in_flight:
+        for e in slots.step():
+            got.setdefault(e.slot, []).append(e.token)
+    alone = engine_with(model, park_gb=0)
+    assert got == {k: alone.generate(follow[k], NEW, stop_ids=frozenset()).ids for k in range(4)}
+    assert engine.parking.refused == 0
