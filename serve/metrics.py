@@ -76,9 +76,12 @@ VLLM_METRICS = (
 # top-level numeric JSON keys exported as `strata:<key>` gauges
 STRATA_GAUGES = ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running",
                  "requests_waiting", "requests_total", "prompt_tokens_total", "generation_tokens_total",
-                 "kv_cache_usage", "engine_restarts_total", "pipeline_groups", "parked_conversations",
-                 "parked_bytes", "parked_disk_conversations", "parked_disk_bytes", "parked_vram_conversations",
-                 "parked_vram_bytes")
+                 "kv_cache_usage", "engine_restarts_total", "pipeline_groups")
+# the parked conversations and their bytes by tier: `strata:parked_conversations{tier}`, `strata:parked_bytes{tier}`
+# (host RAM holds every parked image; the disk tier's files and the copies in VRAM are counted on their own)
+PARKED_TIERS = (("ram", "parked_conversations", "parked_bytes"),
+                ("disk", "parked_disk_conversations", "parked_disk_bytes"),
+                ("vram", "parked_vram_conversations", "parked_vram_bytes"))
 RESTORE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # seconds
 
 
@@ -187,6 +190,14 @@ class _StrataCollector(Collector):
         for key in STRATA_GAUGES:
             family = GaugeMetricFamily(f"strata:{key}", f"Strata fact {key}", labels=["model_name", "engine"])
             family.add_metric(labels, float(facts[key]))
+            yield family
+        for name, doc, column in (
+                ("parked_conversations", "Conversations parked, by tier (ram: host RAM, every parked image; disk: "
+                 "--park-dir's files; vram: copies in spare VRAM, --park-vram-gb)", 1),
+                ("parked_bytes", "Bytes of parked conversations' images, by tier (as parked_conversations)", 2)):
+            family = GaugeMetricFamily(f"strata:{name}", doc, labels=["model_name", "engine", "tier"])
+            for tier in PARKED_TIERS:
+                family.add_metric(labels + [tier[0]], float(facts[tier[column]]))
             yield family
         for key, doc in (("gpu_util", "GPU utilization percent (NVML)"),
                          ("gpu_memory_used_bytes", "GPU memory in use, bytes (NVML)"),

@@ -111,8 +111,7 @@ def test_dashboards_show_what_the_issue_lists():
     for name in ("gpu_util", "gpu_memory_used_bytes", "expert_residency", "expert_pairs_total",
                  "expert_pool_seconds_total", "expert_pool_read_bytes_total", "expert_upload_bytes_total",
                  "slots_in_use", "slots_total",
-                 "parked_conversations", "parked_disk_conversations", "parked_bytes", "parked_disk_bytes",
-                 "parked_vram_conversations", "parked_vram_bytes",
+                 "parked_conversations", "parked_bytes",
                  "parked_restore_seconds_bucket", "pipeline_groups"):
         assert f"strata:{name}" in engine, name
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -120,6 +119,8 @@ def test_dashboards_show_what_the_issue_lists():
         assert f"vllm:{name}" in engine, name  # draft acceptance: rate, tokens per draft, by position
     assert "by (model_name, position)" in engine
     assert 'strata:expert_pairs_total{model_name=~"$model_name", where="device"}' in engine  # the hit rate
+    for tier in ("ram", "disk", "vram"):
+        assert f'strata:parked_bytes{{model_name=~"$model_name", tier="{tier}"}}' in engine, tier
 
 
 def test_peer_dashboards_are_there():

@@ -216,18 +216,20 @@ def test_strata_facts_in_the_scrape(samples, three):
     m, _ = three
     facts = m.facts()
     for key in ("live_tok_s", "uptime_s", "slots_total", "slots_in_use", "requests_running", "requests_waiting",
-                "requests_total", "prompt_tokens_total", "generation_tokens_total", "kv_cache_usage",
-                "parked_conversations", "parked_bytes", "parked_disk_conversations", "parked_disk_bytes",
-                "parked_vram_conversations", "parked_vram_bytes"):
+                "requests_total", "prompt_tokens_total", "generation_tokens_total", "kv_cache_usage"):
         (s,) = samples[f"strata:{key}"]
         assert s.labels["model_name"] == MODEL
         if key not in ("live_tok_s", "uptime_s"):
             assert s.value == facts[key], key
     assert _value(samples, "strata:requests_total") == 3
     assert _value(samples, "strata:slots_total") == 4
-    assert _value(samples, "strata:parked_conversations") == 2 and _value(samples, "strata:parked_bytes") == 3e6
-    assert _value(samples, "strata:parked_disk_conversations") == 5 and _value(samples, "strata:parked_disk_bytes") == 9e6
-    assert _value(samples, "strata:parked_vram_conversations") == 1 and _value(samples, "strata:parked_vram_bytes") == 2e6
+    # the parked conversations and bytes by tier, one family each (as the JSON facts have them)
+    tiers = {name: {s.labels["tier"]: s.value for s in samples[f"strata:{name}"]}
+             for name in ("parked_conversations", "parked_bytes")}
+    assert tiers == {"parked_conversations": {"ram": 2, "disk": 5, "vram": 1},
+                     "parked_bytes": {"ram": 3e6, "disk": 9e6, "vram": 2e6}}
+    assert all(s.labels["model_name"] == MODEL for s in samples["strata:parked_bytes"])
+    assert not {"strata:parked_disk_bytes", "strata:parked_vram_conversations"} & set(samples)
     assert _value(samples, "strata:parked_reused_bytes_total") == 4_500
     restores = {(s.labels["tier"], s.labels["le"]): s.value for s in samples["strata:parked_restore_seconds_bucket"]}
     assert restores[("ram", "0.005")] == 1 and restores[("ram", "0.05")] == 2 and restores[("ram", "+Inf")] == 2

@@ -108,7 +108,8 @@ def test_a_second_turn_reuses_the_parked_first_and_the_metrics_show_it(server, c
     hits = delta("vllm:prefix_cache_hits_total{}")
     assert first.usage.prompt_tokens <= hits < second.usage.prompt_tokens  # only the new turn was read
     assert delta("vllm:gpu_prefix_cache_hits_total{}") == hits
-    assert after["strata:parked_conversations{}"] >= 1 and after["strata:parked_bytes{}"] > 0  # "Count to three."
+    assert after["strata:parked_conversations{tier=ram}"] >= 1 and after["strata:parked_bytes{tier=ram}"] > 0
+    assert after["strata:parked_conversations{tier=disk}"] == after["strata:parked_bytes{tier=vram}"] == 0
     facts = httpx.get(server.url + "/metrics").json()
     assert facts["parked_conversations"] >= 1 and facts["parked_bytes"] > 0
 
