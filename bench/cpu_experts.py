@@ -7,7 +7,9 @@ the host by `strata.experts.native` (AVX512_BF16 dot products; every expert of t
 Printed beside the host's read bandwidth (bench/experts.py's streaming read of 1 GiB, the roofline the issue
 measures against; the experts' bytes must exceed the last-level cache, or they are read from it: 64 experts are
 600 MB): microseconds an expert, GB/s of weights, the share of the roofline, the error against float64, and
-whether a row's output is bitwise the same alone as beside the others (row invariance).
+whether a row's output is bitwise the same alone as beside the others (row invariance). The same experts
+quantized to q8_0 are read by the kernel as their records too (the pool's way for q8_0 experts; GB/s of their
+records, error against their dequantized weights).
 
     python bench/cpu_experts.py                 # 64 experts, 1 and 8 rows, torch's threads
     python bench/cpu_experts.py --rows 1,2,4,8 --threads 15
@@ -29,6 +31,8 @@ from experts import host_read_gbps  # noqa: E402  (bench/experts.py's anchor: 1 
 from strata.experts import native  # noqa: E402
 from strata.kernels import onednn  # noqa: E402
 from strata.kernels.elementwise import silu_mul  # noqa: E402
+from strata.quant.online import quantize_weight  # noqa: E402
+from strata.quant.packed import dequantize  # noqa: E402
 
 H, I = 2048, 768
 
@@ -77,28 +81,41 @@ def main(argv: list[str] | None = None) -> None:
     def kernel_way(x, counts):
         return native.experts_bf16(x, counts, gate_up, down, threads)
 
-    def reference(x, counts):
+    # the same experts quantized to q8_0, read by the kernel as their records (the pool's way for q8_0 experts)
+    q8 = [(quantize_weight(g, "q8_0", torch.bfloat16), quantize_weight(d, "q8_0", torch.bfloat16))
+          for g, d in zip(gate_up, down)]
+    q8_records = ([g.data.contiguous() for g, _ in q8], [d.data.contiguous() for _, d in q8])
+    q8_bytes = sum(g.data.numel() + d.data.numel() for g, d in q8)
+
+    def q8_way(x, counts):
+        return native.experts_bf16(x, counts, *q8_records, threads)
+
+    def reference(x, counts, weights):
         ys, s = [], 0
         for e, c in enumerate(counts):
             v = x[s:s + c].double()
             s += c
-            h = v @ gate_up[e].double().T
-            ys.append((F.silu(h[:, :I]) * h[:, I:]) @ down[e].double().T)
+            h = v @ weights[e][0].double().T
+            ys.append((F.silu(h[:, :I]) * h[:, I:]) @ weights[e][1].double().T)
         return torch.cat(ys)
 
-    ways = [("oneDNN" if blocked else "F.linear", pool_way)] + ([("kernel", kernel_way)] if lib else [])
+    plain = list(zip(gate_up, down))
+    q8_plain = [(dequantize(g), dequantize(d)) for g, d in q8]
+    ways = [("oneDNN" if blocked else "F.linear", pool_way, plain, nbytes)]
+    if lib:
+        ways += [("kernel", kernel_way, plain, nbytes), ("q8_0", q8_way, q8_plain, q8_bytes)]
     print(f"{'rows':>4} {'way':>8} {'us/expert':>9} {'GB/s':>6} {'of roof':>7} {'rel err':>8} {'row alone == in block':>21}")
     for r in (int(v) for v in args.rows.split(",")):
         counts = [r] * n
         x = torch.randn(r * n, H, dtype=torch.bfloat16)
-        ref = reference(x, counts)
-        for name, way in ways:
+        for name, way, weights, size in ways:
+            ref = reference(x, counts, weights)
             y = way(x, counts)
             err = float((y.double() - ref).abs().max() / ref.abs().max())
-            alone = way(x[:1], [1] + [0] * (n - 1)) if name == "kernel" else way(x[:1], [1])
+            alone = way(x[:1], [1] + [0] * (n - 1)) if name != ways[0][0] else way(x[:1], [1])
             same = torch.equal(alone[0], y[0])
             t = best(lambda: way(x, counts))
-            gbps = nbytes / t / 1e9
+            gbps = size / t / 1e9
             print(f"{r:>4} {name:>8} {t / n * 1e6:>9.0f} {gbps:>6.1f} {gbps / roof:>7.0%} {err:>8.1e} {str(same):>21}",
                   flush=True)
 

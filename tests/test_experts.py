@@ -345,6 +345,34 @@ def triton_model(request, tmp_path_factory):
     return files, Engine(files, max_cells=128, kernels="torch")
 
 
+@pytest.mark.parametrize("triton_model", ["qwen3_next"], indirect=True)
+def test_a_q8_0_pool_on_its_own_kernel_keeps_a_row_the_same_alone_or_beside_others(triton_model, monkeypatch):
+    """A bfloat16 engine on the Triton kernels with its experts quantized to q8_0 as they load and half of them in
+    host RAM: the device keeps its half packed (the shared expert too), the pool reads its half as q8_0 records on
+    its own kernel where it runs here; a decode row's logits are bit for bit the same alone and beside two other
+    conversations, and the all-resident engine's to bfloat16 rounding. (Kept small: the Triton interpreter runs
+    bfloat16 slowly.)"""
+    from strata.experts import native
+    from strata.quant.packed import PackedWeight
+
+    files, _ = triton_model
+    monkeypatch.setenv("STRATA_POOL_Q8", "1")  # its records, whichever way the host is faster
+    quantized = ModelFiles.open(files.checkpoint.path, "q8_0")
+    spec = quantized.spec
+    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
+    budget = (len(moe) * spec.moe.num_experts // 2 + 0.5) * expert_bytes(spec, 2) / 1e9
+    pooled = Engine(quantized, max_cells=64, dtype=torch.bfloat16, kernels="triton", expert_budget_gb=[budget])
+    assert pooled.expert_residency() == {"cpu": 0.5}
+    assert all(p.q8 == (native.load() is not None) for p in pools(pooled).values())
+    assert isinstance(pooled.weights.layers[moe[0]]["shared_gate_up"], PackedWeight)
+    alone = decode_logits(pooled.init_slots(1), {0: PROMPTS[1]})
+    together = decode_logits(pooled.init_slots(3), {0: PROMPTS[1], 1: PROMPTS[2], 2: PROMPTS[3]})
+    assert torch.equal(together[0], alone[0])
+    full = Engine(ModelFiles.open(files.checkpoint.path, "q8_0"), max_cells=64, dtype=torch.bfloat16,
+                  kernels="triton")
+    assert rel_err(alone[0].float(), decode_logits(full.init_slots(1), {0: PROMPTS[1]})[0].float()) < 3e-2
+
+
 @pytest.mark.parametrize("pcie_frac", [0.0, 0.5])
 def test_triton_path_with_the_pool(triton_model, pcie_frac):
     files, reference = triton_model
@@ -522,6 +550,61 @@ def test_hot_residency_refreshes_between_windows(model, monkeypatch):
             assert any(moved)  # some refresh swapped experts in mid-decode
     # the device's experts and the pool's compute a pair alike on the CPU: swaps between windows change no token
     assert answers["hot"] == answers["fixed"] and all(len(a) == NEW for a in answers["hot"])
+
+
+def test_the_pool_reads_q8_0_experts_as_their_records_on_its_own_kernel(monkeypatch, caplog):
+    """q8_0 experts (gate/up and down) stay in their records in a bfloat16 pool where its own kernel runs and reads
+    them faster so (measured once, said in the log; STRATA_POOL_Q8=1 forces it here): about half the bytes of
+    bfloat16, the pairs near the float64 product of the dequantized weights (nearer than the same weights rounded to
+    bfloat16), a row's bits the same alone as among others."""
+    from strata.experts import native, pool as pool_module
+    from strata.experts.pool import ExpertPool
+    from strata.kernels.invariant import in_row_blocks
+    from strata.quant.online import quantize_weight
+    from strata.quant.packed import dequantize
+
+    g = torch.Generator().manual_seed(6)
+    e, h, i, k, rows = 6, 256, 128, 2, 5
+    here = [0, 2, 3, 5]
+    gate_up = quantize_weight(torch.randn(e, 2 * i, h, generator=g) * 0.05, "q8_0", torch.bfloat16)
+    down = quantize_weight(torch.randn(e, h, i, generator=g) * 0.05, "q8_0", torch.bfloat16)
+    keep = torch.tensor(here)
+    offloaded = {"gate_up": gate_up.index(keep), "down": down.index(keep), "ids": keep}
+    if native.load() is None:  # no AVX512_BF16 here: written out in bf16 as before
+        assert not ExpertPool(offloaded, e).q8
+        return
+    monkeypatch.delenv("STRATA_POOL_Q8", raising=False)
+    monkeypatch.setattr(pool_module, "_q8_choice", {})
+    with caplog.at_level("INFO", logger="strata.experts.pool"):
+        measured = ExpertPool(offloaded, e)
+    assert "the CPU expert pool reads q8_0 experts" in caplog.text and "from their records" in caplog.text
+    assert measured.q8 == pool_module._q8_choice[(h, i)]
+    monkeypatch.setenv("STRATA_POOL_Q8", "1")
+    pool = ExpertPool(offloaded, e)
+    assert pool.q8 and pool.native and pool.gate_up.dtype == torch.uint8
+    assert pool.nbytes < 0.55 * (2 * i * h + h * i) * len(here) * 2
+    x = torch.randn(rows, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=g).to(torch.bfloat16)
+    out = pool.compute(x, weights, ids, in_row_blocks)
+    gu, dn = dequantize(gate_up).double(), dequantize(down).double()
+    want = torch.zeros(rows, h, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(k):
+            j = int(ids[r, c])
+            if j in here:
+                a = x[r].double() @ gu[j].T
+                mid = (torch.nn.functional.silu(a[:i]) * a[i:]).to(torch.bfloat16).double()  # as the kernel rounds
+                want[r] += weights[r, c].double() * (mid @ dn[j].T)
+    assert want.abs().max() > 0
+    err = ((out.double() - want).norm() / want.norm()).item()
+    written = ExpertPool({"gate_up": gate_up.index(keep), "down": down.index(keep), "ids": keep}, e, pack=True)
+    assert not written.q8
+    err_written = ((written.compute(x, weights, ids, in_row_blocks).double() - want).norm() / want.norm()).item()
+    assert err < 1e-5 and err < err_written, (err, err_written)  # bf16-rounded weights: 5e-3
+    for r in range(rows):
+        alone = pool.compute(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], in_row_blocks)
+        assert torch.equal(alone[0], out[r]), r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -11,11 +11,11 @@ experts and the shared expert, then the host waits for its copy alone, computes,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from strata.experts.pool import ExpertPool
 from strata.kernels.invariant import in_blocks_of, in_row_blocks, plain
 from strata.kernels.linear import linear_triton
+from strata.kernels.packed import project
 from strata.kernels.moe import (add_shared_expert, decode_tiles, fused_experts_triton, route, prompt_tiles,
                                 route_triton, routed_experts, swiglu)
 from strata.model.spec import MoESpec
@@ -52,11 +52,11 @@ def pooled_moe_steps(x: torch.Tensor, w: Tensors, m: MoESpec, rows=plain, kernel
     shared = (w["shared_gate_up"], w["shared_down"]) if m.shared_dim else None
     if kernels == "torch":
         weights, ids = rows(route, x, w["router"], m.top_k, m.norm_topk)
-        run_linear = lambda *a: rows(F.linear, *a)  # noqa: E731
+        run_linear = lambda *a: rows(project, *a)  # noqa: E731
         run_swiglu = lambda *a: rows(swiglu, *a)  # noqa: E731
         cpu_rows = rows
     else:
-        linear = linear_triton if kernels == "decode" else F.linear
+        linear = linear_triton if kernels == "decode" else project  # (a packed shared expert written out first)
         weights, ids = route_triton(linear(x, w["router"]), m.top_k, m.norm_topk)
         run_linear = linear
         run_swiglu = lambda *a: swiglu(*a, linear=linear)  # noqa: E731

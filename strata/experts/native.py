@@ -1,7 +1,10 @@
-"""The CPU expert pool's own kernel for plain bfloat16 experts (`experts_bf16.c`): every expert of a window in one
-OpenMP region, AVX512_BF16 dot products summed in float32, each output summed in one fixed order (a row's bits do
-not depend on the rows beside it). On a 16-core GPU host it reads a window's experts at the host's full read
-bandwidth for one row, where two oneDNN products an expert reach about half (docs/PERFORMANCE.md, bench/cpu_experts.py).
+"""The CPU expert pool's own kernel for bfloat16 experts, plain or q8_0 (`experts_bf16.c`): every expert of a window
+in one OpenMP region, AVX512_BF16 dot products summed in float32, each output summed in one fixed order (a row's
+bits do not depend on the rows beside it). On a 16-core GPU host it reads a window's plain experts at the host's full
+read bandwidth for one row, where two oneDNN products an expert reach about half (docs/PERFORMANCE.md,
+bench/cpu_experts.py). q8_0 experts are read as their records (`strata.quant.packed`: int8 codes and a float16
+scale per 32 columns, 1.06 bytes a value): each 32 codes become bf16 exactly in registers and each group's sum is
+scaled in float32.
 
 It is compiled for the AVX-512 instructions it uses (`FLAGS`, not -march=native: the library runs on any CPU that
 has them, so an image can ship it built: `experts_bf16.so` beside the source, which the Dockerfile makes), else
@@ -41,7 +44,8 @@ def _cpu_has_bf16_dots() -> bool:
     return "avx512_bf16" in flags.split()
 
 
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared",
+         "-fPIC"]
 SHIPPED = SOURCE.with_suffix(".so")  # built into an image by its Dockerfile (`build`)
 
 
@@ -97,10 +101,12 @@ def usable(dtype: torch.dtype, hidden: int, width: int) -> bool:
 def experts_bf16(x: torch.Tensor, counts: list[int], gate_up: list[torch.Tensor], down: list[torch.Tensor],
                  threads: int) -> torch.Tensor:
     """x [P, H] bf16, the rows of each expert in turn (counts[e] of them); gate_up[e] [2I, H], down[e] [H, I] bf16,
-    contiguous. Returns [P, H] float32: each row's down(silu(gate) * up), the product rounded to bf16 between."""
+    contiguous, or q8_0 records (uint8 [2I, row bytes] and [H, row bytes], `strata.quant.packed`, the same format
+    for both). Returns [P, H] float32: each row's down(silu(gate) * up), the product rounded to bf16 between."""
     lib = load()
     p, hidden = x.shape
-    width = down[0].shape[1]
+    q8 = gate_up[0].dtype == torch.uint8
+    width = gate_up[0].shape[0] // 2
     x = x.contiguous()
     starts = [0]
     for c in counts[:-1]:
@@ -113,6 +119,10 @@ def experts_bf16(x: torch.Tensor, counts: list[int], gate_up: list[torch.Tensor]
     a = torch.empty(p, width, dtype=torch.bfloat16)
     out = torch.empty(p, hidden)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    lib.experts_bf16(len(counts), ptr(gp), ptr(dp), ptr(start), ptr(count), ptr(x), ptr(h), ptr(a), ptr(out),
-                     hidden, width, threads)
+    args = (len(counts), ptr(gp), ptr(dp), ptr(start), ptr(count), ptr(x), ptr(h), ptr(a), ptr(out), hidden, width,
+            threads)
+    if q8:
+        lib.experts_q8_0(*args, gate_up[0].shape[1], down[0].shape[1])
+    else:
+        lib.experts_bf16(*args)
     return out

@@ -15,7 +15,8 @@ bits stay the same alone or beside others. F = 0 uploads nothing: the CPU-only p
 
 Quantized experts (the loader keeps a layer's experts packed when the Triton kernels read them packed): q4_k
 experts stay 4-bit in host RAM, as torch's CPU int4 products read them (`Int4Expert`: 4.3x fewer bytes than
-bfloat16, 3.3x faster for one row on the CI machine); other packed formats are written out in the rows' dtype.
+bfloat16, 3.3x faster for one row on the CI machine); q8_0 experts (gate/up and down both) stay in their records
+on the pool's own kernel where it runs (bfloat16 rows); other packed formats are written out in the rows' dtype.
 
 Plain bfloat16 experts run on the pool's own kernel where the host can build it (`strata.experts.native`:
 AVX512_BF16 and gcc; every expert of a window in one OpenMP region, about twice oneDNN's rate for one to four rows
@@ -30,6 +31,7 @@ depend on which other rows share the window.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -87,6 +89,46 @@ def _pool_matrices(w, dtype: torch.dtype) -> list | torch.Tensor:
     return dequantize(w).to(dtype)
 
 
+Q8_TRIAL_EXPERTS = 32  # experts a q8_0 trial reads each way: 300 MB at the 30B shape, past a last-level cache
+_q8_choice: dict[tuple[int, int], bool] = {}
+
+
+def q8_records_faster(gate_up: PackedWeight, down: PackedWeight) -> bool:
+    """Whether the pool's kernel computes q8_0 experts faster from their records (1.06 bytes a value, each group
+    turned into bf16 in registers) than written out in bfloat16 (2 bytes a value, no conversion), on this host: a
+    memory-bound host gains from the fewer bytes, one with few fast cores and much bandwidth a core loses to the
+    conversion (the 2-vCPU CI VM: 177 against 128 us an expert at one row). Measured once per process and shape:
+    one row through up to Q8_TRIAL_EXPERTS of the layer's experts each way, best of 3 (said in the log).
+    STRATA_POOL_Q8=1 or 0 decides instead."""
+    forced = os.environ.get("STRATA_POOL_Q8")
+    if forced in ("0", "1"):
+        return forced == "1"
+    key = (gate_up.shape[-1], down.shape[-1])
+    if key not in _q8_choice:
+        n = min(gate_up.shape[0], Q8_TRIAL_EXPERTS)
+        pick = torch.arange(n)
+        records = ([r for r in gate_up.index(pick).data.contiguous()], [r for r in down.index(pick).data.contiguous()])
+        plain = ([m for m in dequantize(gate_up.index(pick)).to(torch.bfloat16).contiguous()],
+                 [m for m in dequantize(down.index(pick)).to(torch.bfloat16).contiguous()])
+        x = torch.randn(n, key[0]).to(torch.bfloat16)
+        threads = torch.get_num_threads()
+        times = {}
+        for name, (gu, dn) in (("records", records), ("bf16", plain)):
+            native.experts_bf16(x, [1] * n, gu, dn, threads)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                native.experts_bf16(x, [1] * n, gu, dn, threads)
+                best = min(best, time.perf_counter() - start)
+            times[name] = best
+        _q8_choice[key] = times["records"] < times["bf16"]
+        log.info("the CPU expert pool reads q8_0 experts %s (one row through %d experts: %.2f ms from their records, "
+                 "%.2f ms written out in bf16; STRATA_POOL_Q8=0/1 decides instead)",
+                 "as their records" if _q8_choice[key] else "written out in bf16", n, times["records"] * 1e3,
+                 times["bf16"] * 1e3)
+    return _q8_choice[key]
+
+
 class ExpertPool:
     """One MoE layer's experts kept in host RAM: `gate_up` [N, 2I, H], `down` [N, H, I] for global ids `ids` [N]."""
 
@@ -105,7 +147,15 @@ class ExpertPool:
         u = self.num_upload
         dtype = offloaded["gate_up"].dtype  # the rows' (a packed weight's: its tiles')
         split = [_split(offloaded[n], u) for n in ("gate_up", "down")]
-        gate_up, down = (_pool_matrices(cpu, dtype) for _, cpu in split)
+        cpu_parts = [cpu for _, cpu in split]
+        # q8_0 experts stay in their records on the pool's own kernel (1.06 bytes a value against bf16's 2)
+        self.q8 = (pack is not True and all(isinstance(w, PackedWeight) and w.fmt == "q8_0" for w in cpu_parts)
+                   and native.usable(dtype, cpu_parts[0].shape[-1], cpu_parts[0].shape[-2] // 2)
+                   and cpu_parts[0].shape[0] > 0 and q8_records_faster(*cpu_parts))
+        if self.q8:
+            gate_up, down = (w.data.contiguous() for w in cpu_parts)  # [N, rows, record bytes] uint8
+        else:
+            gate_up, down = (_pool_matrices(cpu, dtype) for cpu in cpu_parts)
         self.up_gate_up, self.up_down = (_upload_matrices(up, dtype, pin) for up, _ in split)
         self.int4 = isinstance(gate_up, list) or isinstance(down, list)  # q4_k experts read as they are
         size = lambda w: sum(m.nbytes for m in w) if isinstance(w, list) else w.numel() * w.element_size()  # noqa: E731
@@ -115,8 +165,8 @@ class ExpertPool:
         self.index = torch.full((num_experts,), self.num_here, dtype=torch.int64)
         self.index[ids] = torch.arange(self.num_here)
         # plain bf16 experts on the pool's own kernel where it builds here (`pack` True: oneDNN's products all the same)
-        self.native = pack is not True and not self.int4 and native.usable(gate_up.dtype, gate_up.shape[-1],
-                                                                            gate_up.shape[-2] // 2)
+        self.native = self.q8 or (pack is not True and not self.int4
+                                  and native.usable(gate_up.dtype, gate_up.shape[-1], gate_up.shape[-2] // 2))
         self.packed = (onednn.available(dtype) if pack is None else pack) and not self.int4 and not self.native
         n_cpu = self.num_here - u
         if self.native:  # the kernel reads each expert's matrices whole

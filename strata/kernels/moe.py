@@ -808,13 +808,14 @@ def moe_triton(
     norm_topk: bool,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_gate: torch.Tensor | None = None,
-    linear: Linear = F.linear,
+    linear: Linear = project,
     tiles: ExpertTiles = DECODE_TILES,
     defer: bool = False,
     shared_pair: bool = False,
 ) -> torch.Tensor | PairSum:
     """`moe` with the Triton router and experts; `linear` runs the router and the shared expert's products (it
-    may return `SplitSum`s: `linear_split`). `defer`: the result is a `PairSum` for the next kernel to finish.
+    may return `SplitSum`s: `linear_split`; by default `project`, which writes a packed shared expert out first, as
+    prompt windows' projections are). `defer`: the result is a `PairSum` for the next kernel to finish.
     `shared_pair`: a shared expert of the routed experts' shape runs as one more pair of every row inside the
     experts' kernels (its weight 1 or the sigmoid of its gate), not as products of its own: fewer launches, other
     roundings than the separate products (the same for a row whatever shares its window)."""
