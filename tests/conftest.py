@@ -25,7 +25,13 @@ def _row_stable_interpreter_dot():
     way, which is what the kernels' row-independence tests assert. `np.einsum` (no BLAS) sums each element in
     one fixed order, so the interpreter keeps the property the hardware has. einsum's order also follows its
     operands' memory layout, and a tile transposed in registers (`tl.trans`) is a transposed numpy view: the
-    operands are made contiguous first, since a GPU's dot does not see how a tile came to be."""
+    operands are made contiguous first, since a GPU's dot does not see how a tile came to be.
+
+    bfloat16 operands: the interpreter holds bfloat16 as their uint16 bits and its `tl.dot` multiplied those bits
+    as integers (values near 1e10: triton-lang/triton#11584, "not supported yet"), so every bfloat16 product of a
+    kernel under the interpreter was garbage, equal on both sides of a comparison between two such runs. They are
+    widened to the float32 values they are (exact: a bfloat16 is the top half of a float32), as the tensor cores
+    take them, and summed in float32."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "InterpreterBuilder", None)
@@ -33,10 +39,19 @@ def _row_stable_interpreter_dot():
         return
     blas_dot = builder.create_dot
 
+    def values(h):
+        if h.dtype.is_bf16() and h.data.dtype == np.uint16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.data.dtype != np.float32 or b.data.dtype != np.float32 or a.data.ndim != 2:
-            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        a_, b_ = np.ascontiguousarray(a.data), np.ascontiguousarray(b.data)
+        a_data, b_data = values(a), values(b)
+        if a_data.dtype != np.float32 or b_data.dtype != np.float32 or a_data.ndim != 2:
+            if a_data is a.data and b_data is b.data:
+                return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            product = np.matmul(a_data, b_data, dtype=d.data.dtype)  # bfloat16 widened, not 2-D
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+        a_, b_ = np.ascontiguousarray(a_data), np.ascontiguousarray(b_data)
         product = np.einsum("mk,kn->mn", a_, b_, dtype=d.data.dtype)
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
