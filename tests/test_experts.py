@@ -552,6 +552,26 @@ def test_hot_residency_refreshes_between_windows(model, monkeypatch):
     assert answers["hot"] == answers["fixed"] and all(len(a) == NEW for a in answers["hot"])
 
 
+def pool_pairs_reference(x, weights, ids, here, gate_up, down, mid_dtype=None) -> torch.Tensor:
+    """float64: each row's weighted pairs whose expert is in `here`, over the packed experts' dequantized weights;
+    `mid_dtype`: silu(gate) * up rounded to it between the two products."""
+    from strata.quant.packed import dequantize
+
+    gu, dn = dequantize(gate_up).double(), dequantize(down).double()
+    i = gu.shape[1] // 2
+    want = torch.zeros(x.shape[0], dn.shape[1], dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for c in range(ids.shape[1]):
+            j = int(ids[r, c])
+            if j in here:
+                a = x[r].double() @ gu[j].T
+                mid = torch.nn.functional.silu(a[:i]) * a[i:]
+                if mid_dtype is not None:
+                    mid = mid.to(mid_dtype).double()
+                want[r] += weights[r, c].double() * (mid @ dn[j].T)
+    return want
+
+
 def test_the_pool_reads_q8_0_experts_as_their_records_on_its_own_kernel(monkeypatch, caplog):
     """q8_0 experts (gate/up and down) stay in their records in a bfloat16 pool where its own kernel runs and reads
     them faster so (measured once, said in the log; STRATA_POOL_Q8=1 forces it here): about half the bytes of
@@ -561,7 +581,6 @@ def test_the_pool_reads_q8_0_experts_as_their_records_on_its_own_kernel(monkeypa
     from strata.experts.pool import ExpertPool
     from strata.kernels.invariant import in_row_blocks
     from strata.quant.online import quantize_weight
-    from strata.quant.packed import dequantize
 
     g = torch.Generator().manual_seed(6)
     e, h, i, k, rows = 6, 256, 128, 2, 5
@@ -587,15 +606,7 @@ def test_the_pool_reads_q8_0_experts_as_their_records_on_its_own_kernel(monkeypa
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
     weights = torch.rand(rows, k, generator=g).to(torch.bfloat16)
     out = pool.compute(x, weights, ids, in_row_blocks)
-    gu, dn = dequantize(gate_up).double(), dequantize(down).double()
-    want = torch.zeros(rows, h, dtype=torch.float64)
-    for r in range(rows):
-        for c in range(k):
-            j = int(ids[r, c])
-            if j in here:
-                a = x[r].double() @ gu[j].T
-                mid = (torch.nn.functional.silu(a[:i]) * a[i:]).to(torch.bfloat16).double()  # as the kernel rounds
-                want[r] += weights[r, c].double() * (mid @ dn[j].T)
+    want = pool_pairs_reference(x, weights, ids, here, gate_up, down, torch.bfloat16)  # the kernel rounds h so
     assert want.abs().max() > 0
     err = ((out.double() - want).norm() / want.norm()).item()
     written = ExpertPool({"gate_up": gate_up.index(keep), "down": down.index(keep), "ids": keep}, e, pack=True)
@@ -615,7 +626,6 @@ def test_the_pool_reads_q4_k_experts_as_4_bit(dtype):
     from strata.experts.pool import ExpertPool, Int4Expert
     from strata.kernels.invariant import in_row_blocks
     from strata.quant.online import quantize_weight
-    from strata.quant.packed import dequantize
 
     g = torch.Generator().manual_seed(5)
     e, h, i, k, rows = 6, 256, 256, 2, 5
@@ -633,14 +643,7 @@ def test_the_pool_reads_q4_k_experts_as_4_bit(dtype):
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
         weights = torch.rand(rows, k, generator=g).to(dtype)
         out = pool.compute(x, weights, ids, in_row_blocks)
-        gu, dn = dequantize(gate_up).double(), dequantize(down).double()
-        want = torch.zeros(rows, h, dtype=torch.float64)
-        for r in range(rows):
-            for c in range(k):
-                j = int(ids[r, c])
-                if j in here:
-                    a = x[r].double() @ gu[j].T
-                    want[r] += weights[r, c].double() * ((torch.nn.functional.silu(a[:i]) * a[i:]) @ dn[j].T)
+        want = pool_pairs_reference(x, weights, ids, here, gate_up, down)
         assert want.abs().max() > 0
         err = ((out.double() - want).norm() / want.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (down_fmt, err)
