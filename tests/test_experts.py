@@ -36,10 +36,11 @@ def model(request, tmp_path_factory):
                            solo=[full.generate(p, NEW, stop_ids=frozenset()).ids for p in PROMPTS])
 
 
-def budget_gb(spec, layers: range, per_layer: int) -> float:
-    """The float32 budget that keeps `per_layer` experts of each MoE layer of `layers` resident."""
+def budget_gb(spec, layers: range, per_layer: int, dtype_bytes: int = 4) -> float:
+    """The budget (float32 weights unless `dtype_bytes` says otherwise) that keeps `per_layer` experts of each MoE
+    layer of `layers` resident."""
     moe = [i for i in layers if spec.layers[i].mlp == "moe"]
-    return (len(moe) * per_layer + 0.5) * expert_bytes(spec, 4) / 1e9
+    return (len(moe) * per_layer + 0.5) * expert_bytes(spec, dtype_bytes) / 1e9
 
 
 def half(spec, layers: range | None = None) -> float:
@@ -120,8 +121,7 @@ def test_a_bfloat16_pool_on_its_own_kernel_keeps_batched_equal_to_solo(model):
     from strata.experts import native
 
     spec = model.spec
-    moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
-    budget = (len(moe) * spec.moe.num_experts // 2 + 0.5) * expert_bytes(spec, 2) / 1e9
+    budget = budget_gb(spec, range(spec.num_layers), spec.moe.num_experts // 2, dtype_bytes=2)
     pooled = Engine(model.files, max_cells=256, dtype=torch.bfloat16, expert_budget_gb=[budget])
     assert pooled.expert_residency() == {"cpu": 0.5}
     assert all(p.native == (native.load() is not None) for p in pools(pooled).values())
@@ -360,7 +360,7 @@ def test_a_q8_0_pool_on_its_own_kernel_keeps_a_row_the_same_alone_or_beside_othe
     quantized = ModelFiles.open(files.checkpoint.path, "q8_0")
     spec = quantized.spec
     moe = [i for i in range(spec.num_layers) if spec.layers[i].mlp == "moe"]
-    budget = (len(moe) * spec.moe.num_experts // 2 + 0.5) * expert_bytes(spec, 2) / 1e9
+    budget = budget_gb(spec, range(spec.num_layers), spec.moe.num_experts // 2, dtype_bytes=2)
     pooled = Engine(quantized, max_cells=64, dtype=torch.bfloat16, kernels="triton", expert_budget_gb=[budget])
     assert pooled.expert_residency() == {"cpu": 0.5}
     assert all(p.q8 == (native.load() is not None) for p in pools(pooled).values())

@@ -35,7 +35,7 @@ class StageResidency:
     num_experts: int  # per MoE layer
     expert_bytes: int  # one expert as the device holds it (packed, for weights kept quantized; else the dtype's)
     resident: dict[int, tuple[int, ...]]  # MoE layer -> resident expert ids, ascending
-    host_expert_bytes: int = 0  # one expert in host RAM (at most the dtype's); 0: expert_bytes
+    host_expert_bytes: int  # one expert in host RAM, counted at the dtype's size (the pool holds at most that)
 
     @property
     def per_layer(self) -> int:
@@ -53,8 +53,7 @@ class StageResidency:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.num_experts - len(ids) for ids in self.resident.values()) * (self.host_expert_bytes
-                                                                                     or self.expert_bytes)
+        return sum(self.num_experts - len(ids) for ids in self.resident.values()) * self.host_expert_bytes
 
     @property
     def fraction(self) -> float:

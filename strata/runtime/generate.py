@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -325,13 +326,9 @@ def packed_expert_bytes(files: ModelFiles, dtype: torch.dtype, dtype_bytes: int)
     if spec.moe is None:
         return None
     layers, _ = files.packed_plan(dtype)
+    formats = next((f for layer, f in layers.items() if spec.layers[layer].mlp == "moe"), {})
     h, i = spec.hidden_size, spec.moe.expert_dim
-    for layer, formats in layers.items():
-        if spec.layers[layer].mlp != "moe":
-            continue
-        parts = (("experts_gate_up", 2 * i, h), ("experts_down", h, i))
-        if not any(name in formats for name, _, _ in parts):
-            return None
-        return sum(packed_nbytes(formats[name], n, k) if name in formats else n * k * dtype_bytes
-                   for name, n, k in parts)
-    return None
+    parts = (("experts_gate_up", 2 * i, h), ("experts_down", h, i))
+    if not any(name in formats for name, _, _ in parts):
+        return None
+    return sum(packed_nbytes(formats[name], n, k) if name in formats else n * k * dtype_bytes for name, n, k in parts)
