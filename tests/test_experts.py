@@ -491,6 +491,53 @@ def test_the_pool_computes_its_pairs_row_invariantly(dtype, pack):
     assert pool.experts_read >= len({int(j) for j in ids.reshape(-1)} & set(here)) and pool.busy_s > 0
 
 
+def test_the_pool_kernel_runs_a_window_in_one_call_as_its_products_and_sums_would():
+    """`native.pool_window` (the window's bookkeeping in C: counts, grouping by host slot, the experts' products, each
+    row's weighted sum in slot order) gives bit for bit what the kernel's products over the grouped rows and torch's
+    weighted sums give, with int64 or int32 ids, bf16 or float32 weights, slots below `lo` left out (uploaded ones)
+    and rows without a pair here zero; an id outside the layer is refused."""
+    from strata.experts import native
+
+    if native.load() is None:
+        pytest.skip("the pool's own kernel needs AVX512_BF16 and gcc on this host")
+    g = torch.Generator().manual_seed(9)
+    n, h, i, k, rows, lo = 10, 64, 32, 3, 6, 2
+    here = [0, 3, 4, 6, 7, 9]  # host slots 0..5 in this order; slots 0 and 1 are uploaded (not the kernel's)
+    index = torch.full((n,), len(here), dtype=torch.int64)
+    index[torch.tensor(here)] = torch.arange(len(here))
+    gate_up = (torch.randn(len(here) - lo, 2 * i, h, generator=g) * 0.2).to(torch.bfloat16)
+    down = (torch.randn(len(here) - lo, h, i, generator=g) * 0.2).to(torch.bfloat16)
+    x = torch.randn(rows, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+    ids[2] = torch.tensor([1, 2, 5])  # a row with no pair on the kernel
+    for id_dtype, w_dtype in ((torch.int64, torch.bfloat16), (torch.int32, torch.float32)):
+        weights = torch.rand(rows, k, generator=g).to(w_dtype)
+        counts = torch.zeros(n, dtype=torch.float64)
+        out, pairs, experts = native.pool_window(x, weights, ids.to(id_dtype), index, lo, len(here), counts,
+                                                 gate_up, down, 2)
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=n).double())
+        slot = index[ids.reshape(-1)]
+        mine = [p for p in range(rows * k) if lo <= int(slot[p]) < len(here)]
+        order = sorted(mine, key=lambda p: (int(slot[p]), p))
+        used = sorted({int(slot[p]) for p in mine})
+        assert pairs == len(mine) and experts == len(used)
+        grouped = x[torch.tensor([p // k for p in order])]
+        y = native.experts_bf16(grouped, [sum(int(slot[p]) == s for p in mine) for s in used],
+                                [gate_up[s - lo] for s in used], [down[s - lo] for s in used], 2)
+        y = y * weights.reshape(-1)[torch.tensor(order)].float()[:, None]
+        want = torch.zeros(rows, h)
+        for r in range(rows):
+            mine_r = [q for q, p in enumerate(order) if p // k == r]
+            if mine_r:
+                want[r] = y[mine_r[0]]
+                for q in mine_r[1:]:
+                    want[r] = want[r] + y[q]
+        assert want[2].abs().sum() == 0 and want.abs().sum() > 0
+        assert torch.equal(out, want)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        native.pool_window(x, weights, torch.full((rows, k), n), index, lo, len(here), counts, gate_up, down, 2)
+
+
 def test_hot_residency_moves_the_most_routed_experts_to_the_device(model):
     """`--expert-residency hot`: after traffic made the host experts the most routed, refreshes swap them onto the
     device, moving every weight with its expert (against the all-resident engine's tensors), each expert held in

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 
 #define ROWS(R, J)                                                                                              \
 static void rows_##R(const uint16_t *x, int ldx, const uint16_t *w, float *y, int K, int ldy, int n0, int n1) { \
@@ -79,29 +80,38 @@ static const q8_fn Q8_FN[9] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8
                                q8_rows_8};
 
 #define BLOCK 64  /* weight rows a work unit */
+#define SUM_BLOCK 256  /* outputs a unit of the weighted sums */
 
-/* E experts: expert e's rows are x[start[e] .. start[e] + count[e]) (bf16 [P][H]); its gate_up bf16 [2I][H] at
-   address gate_up[e], its down bf16 [H][I] at down[e]. Scratch h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. */
+/* E experts: expert e's rows are x[start[e] .. start[e] + count[e]) (bf16 [P][H]), or with `gather` the rows
+   x[gather[start[e]]], ...; its gate_up bf16 [2I][H] at address gate_up[e], its down bf16 [H][I] at down[e].
+   Scratch xg bf16 [P][H] (with gather), h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. With `sum` (R rows):
+   sum[r] = the weighted outputs of row r's pairs, pw[q] * out[q] for q = pairs[first[r]] .. pairs[first[r + 1] - 1]
+   added in that order (zeros for a row with none). */
 static void experts_run(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
-                        const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads, int q8,
-                        size_t rb1, size_t rb2) {
-    int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK;
+                        const uint16_t *x, const int *gather, uint16_t *xg, float *h, uint16_t *a, float *out,
+                        int H, int I, int threads, int q8, size_t rb1, size_t rb2,
+                        int R, const int *first, const int *pairs, const float *pw, float *sum) {
+    int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK, P = start[E - 1] + count[E - 1];
+    const uint16_t *rows = gather ? xg : x;
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(static)
+        if (gather) {
+            #pragma omp for schedule(static)
+            for (int p = 0; p < P; p++) __builtin_memcpy(xg + (size_t)p * H, x + (size_t)gather[p] * H, 2 * (size_t)H);
+        }
+        #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb1; u++) {
             int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
-                int R = count[e] - r0 < 8 ? count[e] - r0 : 8;
+                int R8 = count[e] - r0 < 8 ? count[e] - r0 : 8;
                 if (q8)
-                    Q8_FN[R](x + (size_t)(start[e] + r0) * H, H, (const uint8_t *)gate_up[e], rb1,
-                             h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
+                    Q8_FN[R8](rows + (size_t)(start[e] + r0) * H, H, (const uint8_t *)gate_up[e], rb1,
+                              h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
                 else
-                    ROWS_FN[R](x + (size_t)(start[e] + r0) * H, H, (const uint16_t *)gate_up[e],
-                               h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
+                    ROWS_FN[R8](rows + (size_t)(start[e] + r0) * H, H, (const uint16_t *)gate_up[e],
+                                h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
             }
         }
-        int P = start[E - 1] + count[E - 1];
         #pragma omp for schedule(static)
         for (int p = 0; p < P; p++) {
             float *hp = h + (size_t)p * 2 * I;
@@ -112,17 +122,37 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 a[(size_t)p * I + i] = (uint16_t)(bits >> 16);
             }
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb2; u++) {
             int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
-                int R = count[e] - r0 < 8 ? count[e] - r0 : 8;
+                int R8 = count[e] - r0 < 8 ? count[e] - r0 : 8;
                 if (q8)
-                    Q8_FN[R](a + (size_t)(start[e] + r0) * I, I, (const uint8_t *)down[e], rb2,
-                             out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
+                    Q8_FN[R8](a + (size_t)(start[e] + r0) * I, I, (const uint8_t *)down[e], rb2,
+                              out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
                 else
-                    ROWS_FN[R](a + (size_t)(start[e] + r0) * I, I, (const uint16_t *)down[e],
-                               out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
+                    ROWS_FN[R8](a + (size_t)(start[e] + r0) * I, I, (const uint16_t *)down[e],
+                                out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
+            }
+        }
+        if (sum) {
+            int nbs = (H + SUM_BLOCK - 1) / SUM_BLOCK;
+            #pragma omp for schedule(static)
+            for (int u = 0; u < R * nbs; u++) {
+                int r = u / nbs, h0 = u % nbs * SUM_BLOCK, h1 = h0 + SUM_BLOCK < H ? h0 + SUM_BLOCK : H;
+                float *dst = sum + (size_t)r * H;
+                if (first[r] == first[r + 1]) {
+                    for (int j = h0; j < h1; j++) dst[j] = 0.0f;
+                    continue;
+                }
+                for (int q = first[r]; q < first[r + 1]; q++) {
+                    const float *src = out + (size_t)pairs[q] * H;
+                    float w = pw[pairs[q]];
+                    if (q == first[r])
+                        for (int j = h0; j < h1; j++) dst[j] = src[j] * w;
+                    else
+                        for (int j = h0; j < h1; j++) dst[j] = dst[j] + src[j] * w;  /* -ffp-contract=off: no fma */
+                }
             }
         }
     }
@@ -130,11 +160,75 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
 
 void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
                   const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads) {
-    experts_run(E, gate_up, down, start, count, x, h, a, out, H, I, threads, 0, 0, 0);
+    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
 /* `experts_bf16` over q8_0 records: gate_up[e] [2I] rows of rb1 bytes (K = H), down[e] [H] rows of rb2 (K = I). */
 void experts_q8_0(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
                   const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads, int rb1, int rb2) {
-    experts_run(E, gate_up, down, start, count, x, h, a, out, H, I, threads, 1, rb1, rb2);
+    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 1, rb1, rb2, 0, 0, 0, 0, 0);
+}
+
+/* One window of a pool (`strata.experts.pool.ExpertPool`) in one call: the R x k routed pairs (global expert ids
+   `ids`, int64 or int32, and their routing weights `wts`, float32 or bf16) counted per expert into counts[N]; the
+   pairs whose host slot (index[id], N entries) lies in [lo, hi) grouped by slot, ascending, each slot's pairs in
+   row order; their experts run (slot s's weights at gate_up_base + (s - lo) * gate_up_stride bytes, down alike;
+   q8: records of rb1 / rb2 bytes a row); and sum[r] [H] float32 = row r's weighted outputs added in slot order.
+   stats[0] += the pairs computed, stats[1] += the experts read. Returns 0, or -1 for an id outside [0, N). */
+int pool_window(int R, int k, const void *ids, int ids64, const void *wts, int wts_bf16, const int64_t *index,
+                int N, int64_t lo, int64_t hi, double *counts, int64_t gate_up_base, int64_t gate_up_stride,
+                int64_t down_base, int64_t down_stride, const uint16_t *x, float *sum, int H, int I, int threads,
+                int q8, int rb1, int rb2, int64_t *stats) {
+    int n = R * k, P = 0, E = 0, nslot = (int)(hi - lo);
+    int *slot = malloc(sizeof(int) * (size_t)(n + 1)), *at = calloc((size_t)nslot + 1, sizeof(int));
+    for (int p = 0; p < n; p++) {
+        int64_t g = ids64 ? ((const int64_t *)ids)[p] : ((const int32_t *)ids)[p];
+        if (g < 0 || g >= N) { free(slot); free(at); return -1; }
+        counts[g] += 1.0;
+        int64_t s = index[g];
+        slot[p] = s >= lo && s < hi ? (int)(s - lo) : -1;
+        if (slot[p] >= 0) { P++; if (at[slot[p] + 1]++ == 0) E++; }
+    }
+    if (!P) {
+        for (size_t j = 0; j < (size_t)R * H; j++) sum[j] = 0.0f;
+        free(slot); free(at);
+        return 0;
+    }
+    int *start = malloc(sizeof(int) * E), *count = malloc(sizeof(int) * E), *order = malloc(sizeof(int) * P);
+    int64_t *gu = malloc(sizeof(int64_t) * E), *dn = malloc(sizeof(int64_t) * E);
+    for (int s = 0, e = 0; s < nslot; s++) {
+        if (at[s + 1]) {
+            start[e] = at[s]; count[e] = at[s + 1];
+            gu[e] = gate_up_base + (int64_t)s * gate_up_stride; dn[e] = down_base + (int64_t)s * down_stride;
+            e++;
+        }
+        at[s + 1] += at[s];  /* at[s]: where slot s's pairs begin */
+    }
+    for (int p = 0; p < n; p++)
+        if (slot[p] >= 0) order[at[slot[p]]++] = p;  /* pair ids, grouped by slot, ascending within one */
+    int *gather = malloc(sizeof(int) * P), *first = calloc((size_t)R + 1, sizeof(int)), *pairs = malloc(sizeof(int) * P);
+    float *pw = malloc(sizeof(float) * P);
+    for (int q = 0; q < P; q++) {
+        int p = order[q];
+        gather[q] = p / k;
+        first[p / k + 1]++;
+        if (wts_bf16) {
+            uint32_t bits = (uint32_t)((const uint16_t *)wts)[p] << 16;
+            __builtin_memcpy(&pw[q], &bits, 4);
+        } else
+            pw[q] = ((const float *)wts)[p];
+    }
+    for (int r = 0; r < R; r++) first[r + 1] += first[r];
+    int *fill = malloc(sizeof(int) * (R + 1));
+    __builtin_memcpy(fill, first, sizeof(int) * (R + 1));
+    for (int q = 0; q < P; q++) pairs[fill[gather[q]]++] = q;  /* each row's pairs in slot order */
+    uint16_t *xg = malloc(2 * (size_t)P * H), *a = malloc(2 * (size_t)P * I);
+    float *h = malloc(4 * (size_t)P * 2 * I), *out = malloc(4 * (size_t)P * H);
+    experts_run(E, gu, dn, start, count, x, gather, xg, h, a, out, H, I, threads, q8, (size_t)rb1, (size_t)rb2,
+                R, first, pairs, pw, sum);
+    stats[0] += P;
+    stats[1] += E;
+    free(slot); free(at); free(start); free(count); free(order); free(gu); free(dn); free(gather); free(first);
+    free(pairs); free(pw); free(fill); free(xg); free(a); free(h); free(out);
+    return 0;
 }

@@ -44,8 +44,9 @@ def _cpu_has_bf16_dots() -> bool:
     return "avx512_bf16" in flags.split()
 
 
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared",
-         "-fPIC"]
+# no fused multiply-adds the source does not write: the weighted sums round each product as torch's ops would
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-ffp-contract=off",
+         "-fopenmp", "-shared", "-fPIC"]
 SHIPPED = SOURCE.with_suffix(".so")  # built into an image by its Dockerfile (`build`)
 
 
@@ -126,3 +127,35 @@ def experts_bf16(x: torch.Tensor, counts: list[int], gate_up: list[torch.Tensor]
     else:
         lib.experts_bf16(*args)
     return out
+
+
+def pool_window(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, lo: int, hi: int,
+                counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, threads: int) -> tuple[torch.Tensor, int, int]:
+    """One window of a pool in one call (`pool_window` in experts_bf16.c): x [R, H] bf16 and each row's k routing
+    weights and global expert ids [R, k] on the host; `index` [N] int64 global id -> host slot, of which slots
+    [lo, hi) are the kernel's: their experts `gate_up` [hi - lo, 2I, H] and `down` [hi - lo, H, I] (bf16, or q8_0
+    records [.., rows, record bytes] uint8), contiguous. Adds each id's pairs to `counts` [N] float64. Returns each
+    row's weighted sum of its pairs here [R, H] float32 (added in ascending slot order; zeros where none), the pairs
+    computed and the experts read."""
+    lib = load()
+    r, k = ids.shape
+    hidden = x.shape[1]
+    width = gate_up.shape[1] // 2
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    if ids.dtype not in (torch.int64, torch.int32):
+        ids = ids.long()
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    q8 = gate_up.dtype == torch.uint8
+    out = torch.empty(r, hidden)
+    stats = torch.zeros(2, dtype=torch.int64)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    step = lambda t: ctypes.c_int64(t.stride(0) * t.element_size())  # noqa: E731
+    done = lib.pool_window(r, k, ptr(ids), ids.dtype == torch.int64, ptr(weights), weights.dtype == torch.bfloat16,
+                           ptr(index), index.numel(), ctypes.c_int64(lo), ctypes.c_int64(hi), ptr(counts),
+                           ctypes.c_int64(gate_up.data_ptr()), step(gate_up), ctypes.c_int64(down.data_ptr()),
+                           step(down), ptr(x), ptr(out), hidden, width, threads, q8,
+                           gate_up.shape[-1] if q8 else 0, down.shape[-1] if q8 else 0, ptr(stats))
+    if done:
+        raise ValueError(f"an expert id outside [0, {index.numel()}) among this window's routed ids")
+    return out, int(stats[0]), int(stats[1])

@@ -249,13 +249,20 @@ class ExpertPool:
 
     def _compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, rows) -> torch.Tensor:
         r, k = ids.shape
+        self.pairs_total += r * k
+        if self.native:  # the whole window in one call: its bookkeeping in torch's small ops cost about as much as
+            # one row's products (about 30 ops of 5-10 us each on a 16-core host)
+            out, pairs, experts = native.pool_window(x, weights, ids, self.index, self.num_upload, self.num_here,
+                                                     self.counts, self.gate_up, self.down, torch.get_num_threads())
+            self.pairs_here += pairs
+            self.experts_read += experts
+            return out
         out = torch.zeros(r, x.shape[1], dtype=torch.float32)
         routed = ids.reshape(-1).long()
         self.counts += torch.bincount(routed, minlength=self.counts.numel()).double()
         flat = self.index[routed]  # [R*k] host slot, or num_here
         # [P'] pair ids (row * k + choice), ascending, of the experts the CPU computes
         pairs = torch.nonzero((flat >= self.num_upload) & (flat < self.num_here)).squeeze(1)
-        self.pairs_total += r * k
         self.pairs_here += int(pairs.numel())
         if not pairs.numel():
             return out
@@ -264,13 +271,8 @@ class ExpertPool:
         # each expert's rows are a slice of one gather (pairs grouped by expert, a few ops a window, not a few an
         # expert: on the H200 host each small op costs 5-10 us, about an expert's product over 20 of them)
         grouped = x[pairs // k]  # [P, H]: each expert's rows in turn
-        if self.native:  # every expert of the window in one call (row-invariant by itself)
-            es = experts.tolist()
-            y = native.experts_bf16(grouped, counts.tolist(), [self.gate_up[e] for e in es],
-                                    [self.down[e] for e in es], torch.get_num_threads())
-        else:
-            parts = list(zip(experts.tolist(), grouped.split(counts.tolist())))
-            y = torch.cat([rows(self._expert, part, e) for e, part in parts]).float()
+        parts = list(zip(experts.tolist(), grouped.split(counts.tolist())))
+        y = torch.cat([rows(self._expert, part, e) for e, part in parts]).float()
         y = y * weights.reshape(-1)[pairs].float()[:, None]  # [P, H] in expert order
         return _sum_by_row(y, pairs // k, r, k)
 
