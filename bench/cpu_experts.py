@@ -104,7 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     ways = [("oneDNN" if blocked else "F.linear", pool_way, plain, nbytes)]
     if lib:
         ways += [("kernel", kernel_way, plain, nbytes), ("q8_0", q8_way, q8_plain, q8_bytes)]
-    print(f"{'rows':>4} {'way':>8} {'us/expert':>9} {'GB/s':>6} {'of roof':>7} {'rel err':>8} {'row alone == in block':>21}")
+        if native.use_amx(True):  # AMX tiles where the CPU has them (a 16-row tile: rows beside rows cost no reads)
+            native.use_amx(False)
+            for prefetch in (256, 0):
+                def amx_way(x, counts, prefetch=prefetch):
+                    native.use_amx(True, prefetch)
+                    try:
+                        return native.experts_bf16(x, counts, gate_up, down, threads)
+                    finally:
+                        native.use_amx(False)
+                ways.append((f"amx-pf{prefetch}", amx_way, plain, nbytes))
+        else:
+            print("no AMX here (or Linux refused its tile state): the AVX-512 kernel alone")
+    print(f"{'rows':>4} {'way':>9} {'us/expert':>9} {'GB/s':>6} {'of roof':>7} {'rel err':>8} {'row alone == in block':>21}")
     for r in (int(v) for v in args.rows.split(",")):
         counts = [r] * n
         x = torch.randn(r * n, H, dtype=torch.bfloat16)
@@ -116,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             same = torch.equal(alone[0], y[0])
             t = best(lambda: way(x, counts))
             gbps = size / t / 1e9
-            print(f"{r:>4} {name:>8} {t / n * 1e6:>9.0f} {gbps:>6.1f} {gbps / roof:>7.0%} {err:>8.1e} {str(same):>21}",
+            print(f"{r:>4} {name:>9} {t / n * 1e6:>9.0f} {gbps:>6.1f} {gbps / roof:>7.0%} {err:>8.1e} {str(same):>21}",
                   flush=True)
 
 

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define ROWS(R, J)                                                                                              \
 static void rows_##R(const uint16_t *x, int ldx, const uint16_t *w, float *y, int K, int ldy, int n0, int n1) { \
@@ -79,6 +81,75 @@ typedef void (*q8_fn)(const uint16_t *, int, const uint8_t *, size_t, float *, i
 static const q8_fn Q8_FN[9] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8_rows_5, q8_rows_6, q8_rows_7,
                                q8_rows_8};
 
+
+/* AMX (where the CPU has it and Linux grants the tile state: `amx_enable`): a unit's 64 weight rows are four 16 x 32
+   A tiles read straight from the plain weights, the rows' pairs (xv, `amx_pairs`) the B tile, four C tiles summing
+   in float32; one tdpbf16ps covers 16 rows, so a window's rows cost no more weight reads than one. Each output is
+   still summed in one fixed order whatever the rows beside it (its own A row and B column), but not in the
+   AVX-512 path's order: a process uses one path throughout. */
+static int use_amx = 0, amx_pf = 256;  /* amx_pf: weights prefetched this many columns ahead (0: none) */
+
+/* Turns the AMX products on (asking Linux for the tile state first: -1 if refused) or off; `prefetch`: amx_pf. */
+int amx_use(int on, int prefetch) {
+    static int granted = 0;
+    if (on && !granted) {
+        if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return -1;
+        granted = 1;
+    }
+    use_amx = on;
+    amx_pf = prefetch;
+    return 0;
+}
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+static void amx_configure(void) {  /* per thread: 8 tiles of 16 rows x 64 bytes */
+    tile_config cfg;
+    __builtin_memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* R <= 16 rows of x (bf16, ld ldx) as the B operand: xv[kk][m] = the pair x[m][2kk], x[m][2kk + 1], zero for m >= R */
+static void amx_pairs(const uint16_t *x, int ldx, int R, uint32_t *xv, int kk0, int kk1) {
+    for (int kk = kk0; kk < kk1; kk++)
+        for (int m = 0; m < 16; m++) {
+            uint32_t v = 0;
+            if (m < R) __builtin_memcpy(&v, x + (size_t)m * ldx + 2 * kk, 4);
+            xv[(size_t)kk * 16 + m] = v;
+        }
+}
+
+#define AMX_STORE(T)                                                                                            \
+    do {                                                                                                        \
+        _tile_stored(T, c, 64);                                                                                 \
+        for (int n = 0; n < 16; n++) for (int m = 0; m < R; m++) y[(size_t)m * ldy + n0 + 16 * T + n] = c[n][m]; \
+    } while (0)
+
+/* y[m][n] = sum_k x[m][k] w[n][k] for m < R, n in [n0, n1) (a multiple of 16, at most 64 rows), x as its pairs xv */
+static void amx_rows(const uint32_t *xv, int R, const uint16_t *w, int K, float *y, int ldy, int n0, int n1) {
+    float c[16][16] __attribute__((aligned(64)));
+    int tiles = (n1 - n0) / 16;
+    size_t stride = (size_t)K * 2;
+    const uint16_t *w0 = w + (size_t)n0 * K;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int k = 0; k < K; k += 32) {
+        if (amx_pf && k + amx_pf < K)
+            for (int n = 0; n < 16 * tiles; n++) _mm_prefetch((const char *)(w0 + (size_t)n * K + k + amx_pf), _MM_HINT_T0);
+        _tile_loadd(6, xv + (size_t)k / 2 * 16, 64);
+        _tile_loadd(4, w0 + k, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (tiles > 1) { _tile_loadd(5, w0 + 16 * (size_t)K + k, stride); _tile_dpbf16ps(1, 5, 6); }
+        if (tiles > 2) { _tile_loadd(7, w0 + 32 * (size_t)K + k, stride); _tile_dpbf16ps(2, 7, 6); }
+        if (tiles > 3) { _tile_loadd(4, w0 + 48 * (size_t)K + k, stride); _tile_dpbf16ps(3, 4, 6); }
+    }
+    AMX_STORE(0);
+    if (tiles > 1) AMX_STORE(1);
+    if (tiles > 2) AMX_STORE(2);
+    if (tiles > 3) AMX_STORE(3);
+}
+
 #define BLOCK 64  /* weight rows a work unit */
 #define SUM_BLOCK 256  /* outputs a unit of the weighted sums */
 
@@ -93,12 +164,43 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                         int R, const int *first, const int *pairs, const float *pw, float *sum) {
     int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK, P = start[E - 1] + count[E - 1];
     const uint16_t *rows = gather ? xg : x;
+    int amx = use_amx && !q8, G = 0;  /* AMX: each expert's rows in groups of 16, each group's pairs in xv1 / xv2 */
+    int *group = 0;
+    uint32_t *xv1 = 0, *xv2 = 0;
+    if (amx) {
+        group = malloc(sizeof(int) * (E + 1));
+        for (int e = 0; e < E; e++) { group[e] = G; G += (count[e] + 15) / 16; }
+        group[E] = G;
+        xv1 = malloc((size_t)G * H * 32);  /* H / 2 pairs x 16 rows x 4 bytes a group */
+        xv2 = malloc((size_t)G * I * 32);
+    }
     #pragma omp parallel num_threads(threads)
     {
+        if (amx) amx_configure();
         if (gather) {
             #pragma omp for schedule(static)
             for (int p = 0; p < P; p++) __builtin_memcpy(xg + (size_t)p * H, x + (size_t)gather[p] * H, 2 * (size_t)H);
         }
+        if (amx) {
+            #pragma omp for schedule(static)
+            for (int u = 0; u < E * 16; u++) {  /* expert, sixteenth of the pairs */
+                int e = u / 16, c = u % 16;
+                for (int g = group[e]; g < group[e + 1]; g++) {
+                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+                    amx_pairs(rows + (size_t)(start[e] + r0) * H, H, R16, xv1 + (size_t)g * H * 8,
+                              c * H / 32, (c + 1) * H / 32);
+                }
+            }
+            #pragma omp for schedule(runtime)
+            for (int u = 0; u < E * nb1; u++) {
+                int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
+                for (int g = group[e]; g < group[e + 1]; g++) {
+                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+                    amx_rows(xv1 + (size_t)g * H * 8, R16, (const uint16_t *)gate_up[e], H,
+                             h + (size_t)(start[e] + r0) * 2 * I, 2 * I, b * BLOCK, n1);
+                }
+            }
+        } else
         #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb1; u++) {
             int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
@@ -122,6 +224,26 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 a[(size_t)p * I + i] = (uint16_t)(bits >> 16);
             }
         }
+        if (amx) {
+            #pragma omp for schedule(static)
+            for (int u = 0; u < E * 16; u++) {
+                int e = u / 16, c = u % 16;
+                for (int g = group[e]; g < group[e + 1]; g++) {
+                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+                    amx_pairs(a + (size_t)(start[e] + r0) * I, I, R16, xv2 + (size_t)g * I * 8,
+                              c * I / 32, (c + 1) * I / 32);
+                }
+            }
+            #pragma omp for schedule(runtime)
+            for (int u = 0; u < E * nb2; u++) {
+                int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
+                for (int g = group[e]; g < group[e + 1]; g++) {
+                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+                    amx_rows(xv2 + (size_t)g * I * 8, R16, (const uint16_t *)down[e], I,
+                             out + (size_t)(start[e] + r0) * H, H, b * BLOCK, n1);
+                }
+            }
+        } else
         #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb2; u++) {
             int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
@@ -155,7 +277,9 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 }
             }
         }
+        if (amx) _tile_release();
     }
+    free(group); free(xv1); free(xv2);
 }
 
 void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,

@@ -34,19 +34,37 @@ SOURCE = Path(__file__).resolve().parent / "experts_bf16.c"
 ALIGN = 32  # the kernel's dot products take 32 bf16 at a time: H and I multiples of it
 
 
-def _cpu_has_bf16_dots() -> bool:
+def _cpu_flags() -> set[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
+        return set()
+    return set(flags.split()[2:])
+
+
+def _cpu_has_bf16_dots() -> bool:
+    return "avx512_bf16" in _cpu_flags()
+
+
+def amx_available() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (`amx_tile`, `amx_bf16`)."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags()
+
+
+def use_amx(on: bool, prefetch: int = 256) -> bool:
+    """Runs the bf16 products on AMX tiles (on) or AVX-512 (off) from now on in this process; False where AMX is not
+    to be had (no such CPU, no kernel, or Linux refused the tile state). `prefetch`: weight columns read ahead."""
+    lib = load()
+    if lib is None or (on and not amx_available()):
         return False
-    return "avx512_bf16" in flags.split()
+    return lib.amx_use(int(on), prefetch) == 0
 
 
 # no fused multiply-adds the source does not write: the weighted sums round each product as torch's ops would
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-ffp-contract=off",
-         "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-mamx-tile",
+         "-mamx-bf16", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 SHIPPED = SOURCE.with_suffix(".so")  # built into an image by its Dockerfile (`build`)
 
 
@@ -91,7 +109,13 @@ def load() -> ctypes.CDLL | None:
             if problem:
                 log.warning("the CPU expert pool uses oneDNN's products: its own kernel could not be built: %s", problem)
                 return None
-    return ctypes.CDLL(str(lib))
+    lib = ctypes.CDLL(str(lib))
+    if os.environ.get("STRATA_POOL_AMX") == "1" and amx_available():
+        if lib.amx_use(1, int(os.environ.get("STRATA_POOL_AMX_PREFETCH", "256"))) == 0:
+            log.info("the CPU expert pool's bf16 products run on AMX tiles")
+        else:
+            log.warning("the CPU expert pool keeps AVX-512: Linux refused the AMX tile state")
+    return lib
 
 
 def usable(dtype: torch.dtype, hidden: int, width: int) -> bool:
