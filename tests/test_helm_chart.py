@@ -186,13 +186,21 @@ def test_crd_has_the_operator_issue_fields(rendered):
     schema = crd_schema(rendered)
     spec = schema["properties"]["spec"]["properties"]
     assert {"model", "servedModelName", "replicas", "gpusPerReplica", "engine", "autoconfig", "image", "resources",
-            "nodeSelector", "tolerations", "storage", "service", "monitoring"} <= set(spec)
+            "nodeSelector", "tolerations", "storage", "service", "ingress", "monitoring"} <= set(spec)
     assert {"batch", "batchGroups", "layerSplit", "trimStageWeights", "context", "extraArgs"} <= set(spec["engine"]["properties"])
     assert {"enabled", "expectedConcurrency", "context"} <= set(spec["autoconfig"]["properties"])
     service = spec["service"]["properties"]
     assert service["sessionAffinity"]["enum"] == ["None", "ClientIP"] and service["sessionAffinity"]["default"] == "None"
     assert (service["sessionAffinityTimeoutSeconds"]["minimum"], service["sessionAffinityTimeoutSeconds"]["maximum"]) == (
         1, 86400)
+    ingress = spec["ingress"]["properties"]
+    chart_ingress = yaml.safe_load((CHART / "values.yaml").read_text())["server"]["ingress"]
+    assert set(chart_ingress) | {"path"} == set(ingress), "the chart's server.ingress keys, and path"
+    assert ingress["affinity"]["enum"] == ["none", "header"] and ingress["affinity"]["default"] == "none"
+    schema_json = json.loads((CHART / "values.schema.json").read_text())
+    chart_schema = schema_json["properties"]["server"]["properties"]["ingress"]["properties"]
+    for key in ("host", "sessionHeader"):
+        assert ingress[key]["pattern"] == chart_schema[key]["pattern"], key
     status = schema["properties"]["status"]["properties"]
     assert {"conditions", "observedGeneration", "replicas", "readyReplicas", "selector", "profiles"} <= set(status)
     condition = status["conditions"]["items"]
@@ -228,7 +236,8 @@ def test_documented_resource_validates_and_bad_ones_do_not(rendered):
                       (("spec", "service", "type"), "Ingress"), (("spec", "model"), ""),
                       (("spec", "engine", "layerSplit"), "half"), (("spec", "service", "sessionAffinity"), "Cookie"),
                       (("spec", "service", "sessionAffinityTimeoutSeconds"), 0),
-                      (("spec", "service", "sessionAffinityTimeoutSeconds"), 86401)):
+                      (("spec", "service", "sessionAffinityTimeoutSeconds"), 86401),
+                      (("spec", "ingress", "affinity"), "cookie"), (("spec", "ingress", "sessionHeader"), "X_Id")):
         broken = json.loads(json.dumps(resource))
         node = broken
         for key in path[:-1]:
@@ -291,7 +300,8 @@ def test_rbac_is_least_privilege(rendered):
     for verb in ("list", "watch", "patch"):
         assert allows(rules, "strata.dev", "stratadeployments", verb)
     assert allows(rules, "strata.dev", "stratadeployments/status", "patch")
-    for group, resource in (("apps", "deployments"), ("", "services"), ("", "configmaps")):
+    for group, resource in (("apps", "deployments"), ("", "services"), ("", "configmaps"),
+                            ("networking.k8s.io", "ingresses")):
         for verb in ("get", "list", "create", "patch", "delete"):
             assert allows(rules, group, resource, verb), (resource, verb)
     for verb in ("list", "watch"):

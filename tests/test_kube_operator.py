@@ -53,6 +53,7 @@ class Cluster:
         self.plane = plane
         self.client = plane.api_client()
         self.core, self.apps = client.CoreV1Api(self.client), client.AppsV1Api(self.client)
+        self.networking = client.NetworkingV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
@@ -61,6 +62,7 @@ class Cluster:
         call = {"ConfigMap": lambda: self.core.read_namespaced_config_map(name, namespace, _preload_content=False),
                 "Service": lambda: self.core.read_namespaced_service(name, namespace, _preload_content=False),
                 "Deployment": lambda: self.apps.read_namespaced_deployment(name, namespace, _preload_content=False),
+                "Ingress": lambda: self.networking.read_namespaced_ingress(name, namespace, _preload_content=False),
                 "StrataDeployment": lambda: self.custom.get_namespaced_custom_object(
                     "strata.dev", "v1alpha1", namespace, "stratadeployments", name, _preload_content=False)}[kind]
         try:
@@ -73,7 +75,8 @@ class Cluster:
     def owned(self, kind: str, namespace: str, name: str) -> list[dict]:
         selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by=strata-operator"
         call = {"ConfigMap": self.core.list_namespaced_config_map, "Service": self.core.list_namespaced_service,
-                "Deployment": self.apps.list_namespaced_deployment}[kind]
+                "Deployment": self.apps.list_namespaced_deployment,
+                "Ingress": self.networking.list_namespaced_ingress}[kind]
         return json.loads(call(namespace, label_selector=selector, _preload_content=False).data)["items"]
 
     def create(self, body: dict) -> dict:
@@ -363,11 +366,47 @@ def test_session_affinity_is_applied_to_the_service_and_removed_again(operator, 
     assert "sessionAffinityConfig" not in plain["spec"]
 
 
+def test_the_ingress_is_made_patched_and_deleted_with_the_spec(operator, deployed):
+    """spec.ingress on: an owned Ingress to the Service, hashing the session header; the affinity back to none and
+    the TLS dropped: both gone from the live Ingress; ingress off: the Ingress deleted, the Service kept."""
+    ns, name = "team-g", "routed"
+    created = deployed(resource(name, ns, ingress={
+        "enabled": True, "className": "nginx", "host": "llm.example.com", "affinity": "header",
+        "tls": [{"secretName": "routed-tls", "hosts": ["llm.example.com"]}]}))
+    ingress = wait_for("the Ingress", lambda: operator.get("Ingress", ns, name))
+    (ref,) = ingress["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+        "StrataDeployment", name, created["metadata"]["uid"], True)
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/upstream-hash-by": "$http_x_session_id"}
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"secretName": "routed-tls", "hosts": ["llm.example.com"]}]
+    (rule,) = ingress["spec"]["rules"]
+    service = wait_for("the Service", lambda: operator.get("Service", ns, name))
+    (port,) = service["spec"]["ports"]
+    assert rule["host"] == "llm.example.com"
+    assert rule["http"]["paths"] == [{"path": "/", "pathType": "Prefix", "backend": {"service": {
+        "name": service["metadata"]["name"], "port": {"name": port["name"]}}}}]
+
+    operator.patch_spec(ns, name, {"ingress": {"sessionHeader": "X-Chat-Id"}})
+    wait_for("the new hash", lambda: (i := operator.get("Ingress", ns, name)) and i["metadata"].get(
+        "annotations", {}).get("nginx.ingress.kubernetes.io/upstream-hash-by") == "$http_x_chat_id")
+    operator.patch_spec(ns, name, {"ingress": {"affinity": "none", "tls": None}})
+    plain = wait_for("the hash and the TLS gone", lambda: (i := operator.get("Ingress", ns, name)) and
+                     "nginx.ingress.kubernetes.io/upstream-hash-by" not in (i["metadata"].get("annotations") or {})
+                     and "tls" not in i["spec"] and i)
+    assert plain["spec"]["ingressClassName"] == "nginx"
+
+    operator.patch_spec(ns, name, {"ingress": {"enabled": False}})
+    wait_for("the Ingress deleted", lambda: operator.get("Ingress", ns, name) is None)
+    assert operator.owned("Ingress", ns, name) == [] and operator.get("Service", ns, name) is not None
+
+
 @pytest.mark.parametrize("spec, field", [
     ({"model": "default", "replicas": -1}, "spec.replicas"),
     ({"model": "default", "service": {"sessionAffinity": "Cookie"}}, "spec.service.sessionAffinity"),
     ({"replicas": 1}, "spec.model"),
     ({"model": "default", "autoconfig": {"expectedConcurrency": "many"}}, "spec.autoconfig.expectedConcurrency"),
+    ({"model": "default", "ingress": {"sessionHeader": "X_Session_Id"}}, "spec.ingress.sessionHeader"),
 ])
 def test_an_invalid_resource_is_refused_by_the_servers_schema_naming_the_field(operator, spec, field):
     body = {"apiVersion": "strata.dev/v1alpha1", "kind": "StrataDeployment",
@@ -381,15 +420,15 @@ def test_an_invalid_resource_is_refused_by_the_servers_schema_naming_the_field(o
 
 def test_deleting_a_resource_removes_its_children_and_its_finalizer(operator):
     ns, name = "team-f", "gone"
-    operator.create(resource(name, ns))
+    operator.create(resource(name, ns, ingress={"enabled": True}))
     wait_for("the children", lambda: len(operator.owned("Deployment", ns, name)) == 2 and
-             operator.get("Service", ns, name))
+             operator.get("Service", ns, name) and operator.get("Ingress", ns, name))
     finalizers = wait_for("the finalizer", lambda: operator.get("StrataDeployment", ns, name)["metadata"].get(
         "finalizers"))
     assert "strata.dev/operator" in finalizers
     operator.delete(ns, name)
     wait_for("the resource to go", lambda: operator.get("StrataDeployment", ns, name) is None)
-    for kind in ("Deployment", "ConfigMap", "Service"):
+    for kind in ("Deployment", "ConfigMap", "Service", "Ingress"):
         assert operator.owned(kind, ns, name) == []
 
 
@@ -438,9 +477,9 @@ def test_without_the_operator_the_garbage_collector_deletes_the_children(operato
     """An operator uninstalled while resources remain: their finalizer removed by hand, deleting one leaves the
     children to the garbage collector, which follows the owner references the operator wrote."""
     ns, name = "team-j", "collected"
-    operator.create(resource(name, ns))
+    operator.create(resource(name, ns, ingress={"enabled": True}))
     wait_for("the children", lambda: len(operator.owned("Deployment", ns, name)) == 2 and
-             operator.get("Service", ns, name) and
+             operator.get("Service", ns, name) and operator.get("Ingress", ns, name) and
              "strata.dev/operator" in (operator.get("StrataDeployment", ns, name)["metadata"].get("finalizers") or []))
     operator.operator.stop()
     try:
@@ -449,7 +488,7 @@ def test_without_the_operator_the_garbage_collector_deletes_the_children(operato
             _content_type="application/merge-patch+json")
         operator.delete(ns, name)
         wait_for("the resource to go", lambda: operator.get("StrataDeployment", ns, name) is None)
-        for kind in ("Deployment", "ConfigMap", "Service"):
+        for kind in ("Deployment", "ConfigMap", "Service", "Ingress"):
             wait_for(f"the garbage collector to delete the {kind}s", lambda k=kind: operator.owned(k, ns, name) == [],
                      timeout=60, every=0.5)
     finally:

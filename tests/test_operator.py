@@ -3,7 +3,8 @@
 Unit tests call the pure parts directly: facts in, manifests out, every manifest validated against the Kubernetes
 schemas (kubernetes-validate) and the status against the CRD's. The operator's life on a real API server is
 tests/test_kube_operator.py; here kopf runs (KopfRunner) against kmock's emulated API server
-(tests/kmock_emulator.py) only for what a real server does not do on demand: fail (injected API faults).
+(tests/kmock_emulator.py) only for what a real server does not do on demand: fail (injected API faults), or hand
+the operator a resource its schema would have refused.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from strata_operator.plan import plan  # noqa: E402
 from strata_operator.profiles import distribute, node_view, profiles, quantity  # noqa: E402
 from strata_operator.spec import Spec, StrataDeployment  # noqa: E402
 from strata_operator.status import build_status  # noqa: E402
-from tests.deploy_tools import validate_k8s  # noqa: E402
+from tests.deploy_tools import by_kind, helm_template, validate_k8s  # noqa: E402
 from tests.kmock_emulator import ApiServer  # noqa: E402
 
 CRD = REPO / "helm" / "strata" / "templates" / "crd-stratadeployment.yaml"
@@ -111,7 +112,10 @@ def children(resource_: StrataDeployment, nodes=None) -> list[dict]:
     for p in the_plan.serving:
         cm = builders.build_configmap(resource_, p.profile, p.proposal)
         out += [cm, builders.build_deployment(resource_, p.profile, p.proposal, cm, default_image="strata:0.1.0")]
-    return out + [builders.build_service(resource_)]
+    out.append(builders.build_service(resource_))
+    if resource_.spec.ingress.enabled:
+        out.append(builders.build_ingress(resource_))
+    return out
 
 
 def config_of(configmap: dict) -> dict:
@@ -138,6 +142,13 @@ def test_spec_defaults_are_the_crds():
     assert spec.service.session_affinity == service["sessionAffinity"]["default"] == "None"
     assert spec.service.session_affinity_timeout_seconds == service["sessionAffinityTimeoutSeconds"]["default"] == 10800
     assert spec.monitoring.enabled is props["monitoring"]["properties"]["enabled"]["default"] is True
+    ingress = props["ingress"]["properties"]
+    assert spec.ingress.enabled is ingress["enabled"]["default"] is False
+    assert spec.ingress.path == ingress["path"]["default"] == "/"
+    assert spec.ingress.affinity == ingress["affinity"]["default"] == "none"
+    assert spec.ingress.session_header == ingress["sessionHeader"]["default"] == "X-Session-Id"
+    assert set(ingress) == {f.alias for f in type(spec.ingress).model_fields.values()}
+    assert all(node.get("description") for node in ingress.values()), "every ingress field is described"
     # every field of the CRD's spec is read (and modelFacts, which the operator adds: docs/OPERATOR.md)
     assert set(props) <= {f.alias for f in Spec.model_fields.values()}
 
@@ -300,7 +311,11 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
                           storage={"volume": {"persistentVolumeClaim": {"claimName": "models"}}, "shmSize": "16Gi"},
                           service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"},
                                    "sessionAffinity": "ClientIP", "sessionAffinityTimeoutSeconds": 600},
-                          engine={"extraArgs": ["--max-window-tokens", "1024"]}, monitoring={"enabled": False}),
+                          engine={"extraArgs": ["--max-window-tokens", "1024"]}, monitoring={"enabled": False},
+                          ingress={"enabled": True, "className": "nginx", "host": "*.example.com", "path": "/v1",
+                                   "annotations": {"a": "b"}, "tls": [{"secretName": "t", "hosts": ["a.example.com"]},
+                                                                      {"secretName": "u"}],
+                                   "affinity": "header", "sessionHeader": "X-Chat-Id"}),
              dict(gpusPerReplica=0, nodeSelector={"kubernetes.io/hostname": "fresh"})]
     kinds = set()
     for spec in specs:
@@ -308,7 +323,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
         for obj in objects:
             validate_k8s(obj)
             kinds.add(obj["kind"])
-    assert kinds == {"ConfigMap", "Deployment", "Service"}
+    assert kinds == {"ConfigMap", "Deployment", "Service", "Ingress"}
 
 
 def test_the_configmap_is_a_config_file_that_strata_serve_reads(tmp_path):
@@ -396,6 +411,92 @@ def test_the_crd_and_the_spec_refuse_a_bad_session_affinity(service):
         sd(service=service)
 
 
+def test_the_ingress_leads_to_the_service_and_hashes_the_session_header_with_header_affinity():
+    assert "Ingress" not in [o["kind"] for o in children(sd())], "off by default"
+    plain = sd(ingress={"enabled": True})
+    ingress, service = builders.build_ingress(plain), builders.build_service(plain)
+    assert [o["kind"] for o in children(plain)][-2:] == ["Service", "Ingress"]
+    assert (ingress["apiVersion"], ingress["metadata"]["name"], ingress["metadata"]["namespace"]) == (
+        "networking.k8s.io/v1", "chat", "llm")
+    assert builders.owned_labels(plain).items() <= ingress["metadata"]["labels"].items()
+    (rule,) = ingress["spec"]["rules"]
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    (port,) = service["spec"]["ports"]
+    assert path["backend"] == {"service": {"name": "chat", "port": {"name": "service-port"}}}
+    assert (service["metadata"]["name"], port["name"]) == ("chat", "service-port")
+    assert "annotations" not in ingress["metadata"], "affinity none: no hash annotation"
+    assert "host" not in rule and "tls" not in ingress["spec"] and "ingressClassName" not in ingress["spec"]
+
+    sticky = builders.build_ingress(sd(ingress={
+        "enabled": True, "className": "nginx", "host": "llm.example.com", "path": "/v1", "affinity": "header",
+        "tls": [{"secretName": "strata-tls", "hosts": ["llm.example.com"]}, {"secretName": "default-host"}]}))
+    assert sticky["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/upstream-hash-by": "$http_x_session_id"}
+    assert sticky["spec"]["ingressClassName"] == "nginx"
+    assert sticky["spec"]["tls"] == [{"secretName": "strata-tls", "hosts": ["llm.example.com"]},
+                                     {"secretName": "default-host"}]
+    (rule,) = sticky["spec"]["rules"]
+    assert rule["host"] == "llm.example.com" and rule["http"]["paths"][0]["path"] == "/v1"
+    chat = builders.build_ingress(sd(ingress={"enabled": True, "affinity": "header", "sessionHeader": "X-Chat-Id"}))
+    assert chat["metadata"]["annotations"] == {builders.HASH_BY: "$http_x_chat_id"}
+    mine = builders.build_ingress(sd(ingress={"enabled": True, "affinity": "header", "annotations": {
+        builders.HASH_BY: "$http_x_tenant", "nginx.ingress.kubernetes.io/proxy-body-size": "8m"}}))
+    assert mine["metadata"]["annotations"] == {builders.HASH_BY: "$http_x_tenant",
+                                               "nginx.ingress.kubernetes.io/proxy-body-size": "8m"}, "the spec's win"
+    for obj in (ingress, sticky, chat, mine):
+        validate_k8s(obj)
+
+
+@pytest.mark.parametrize("affinity, header", [("header", "X-Session-Id"), ("header", "X-Chat-Id"),
+                                              ("header", "x-TENANT-id2"), ("none", "X-Session-Id")])
+def test_the_operators_ingress_is_the_charts_for_the_same_values(affinity, header):
+    """`helm template` with server.ingress set, and the operator's Ingress for a resource named as the chart's server
+    Service, whose spec.ingress holds the same keys: the same annotations, the same spec."""
+    values = {"className": "nginx", "host": "llm.example.com", "affinity": affinity, "sessionHeader": header,
+              "tls": [{"secretName": "strata-tls", "hosts": ["llm.example.com"]}]}
+    sets = ["server.enabled=true", "server.ingress.enabled=true", "server.ingress.className=nginx",
+            "server.ingress.host=llm.example.com", f"server.ingress.affinity={affinity}",
+            f"server.ingress.sessionHeader={header}", "server.ingress.tls[0].secretName=strata-tls",
+            "server.ingress.tls[0].hosts[0]=llm.example.com"]
+    (chart,) = by_kind(helm_template(*sets), "Ingress")
+    ours = builders.build_ingress(sd(name="strata-server", namespace="strata", ingress={"enabled": True, **values}))
+    assert ours["metadata"].get("annotations") == chart["metadata"].get("annotations")
+    assert ours["spec"] == chart["spec"]
+    if affinity == "header":
+        assert ours["metadata"]["annotations"][builders.HASH_BY] == "$http_" + header.lower().replace("-", "_")
+
+
+@pytest.mark.parametrize("ingress, field", [
+    ({"sessionHeader": "X_Session_Id"}, "sessionHeader"), ({"sessionHeader": "X Session"}, "sessionHeader"),
+    ({"sessionHeader": ""}, "sessionHeader"), ({"sessionHeader": "X--Id"}, "sessionHeader"),
+    ({"sessionHeader": "Sessi\u00f3n"}, "sessionHeader"), ({"affinity": "cookie"}, "affinity"),
+    ({"host": "LLM.example.com"}, "host"), ({"path": "v1"}, "path")])
+def test_the_crd_and_the_spec_refuse_a_bad_ingress_naming_the_field(ingress, field):
+    from pydantic import ValidationError
+
+    with pytest.raises(jsonschema.ValidationError) as refused:
+        jsonschema.validate(resource(ingress={"enabled": True, **ingress}), crd_schema())
+    assert list(refused.value.absolute_path) == ["spec", "ingress", field]
+    with pytest.raises(ValidationError) as invalid:
+        sd(ingress={"enabled": True, **ingress})
+    (error,) = invalid.value.errors()
+    assert error["loc"] == ("ingress", field)
+    if field == "sessionHeader":
+        assert "is not an HTTP header name" in error["msg"] and repr(ingress[field]) in error["msg"]
+
+
+def test_the_documented_operator_ingress_is_what_the_operator_makes():
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    (example,) = [b for b in blocks if b.get("kind") == "StrataDeployment" and "ingress" in b["spec"]]
+    (documented,) = [b for b in blocks if b.get("kind") == "Ingress"]
+    jsonschema.validate(example, crd_schema())
+    made = builders.build_ingress(StrataDeployment.from_body(example))
+    assert {k: made["metadata"][k] for k in ("name", "namespace", "annotations")} == documented["metadata"]
+    assert made["spec"] == documented["spec"]
+    assert made["metadata"]["name"] == builders.build_service(StrataDeployment.from_body(example))["metadata"]["name"]
+
+
 # ---------------------------------------------------------------------------------------------- status
 
 
@@ -481,6 +582,7 @@ class Cluster:
 
         self.client = client.ApiClient(client.Configuration(host=url))
         self.core, self.apps = client.CoreV1Api(self.client), client.AppsV1Api(self.client)
+        self.networking = client.NetworkingV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
@@ -502,7 +604,8 @@ class Cluster:
     def owned(self, kind: str, namespace: str, name: str) -> list[dict]:
         selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by=strata-operator"
         call = {"ConfigMap": self.core.list_namespaced_config_map, "Service": self.core.list_namespaced_service,
-                "Deployment": self.apps.list_namespaced_deployment}[kind]
+                "Deployment": self.apps.list_namespaced_deployment,
+                "Ingress": self.networking.list_namespaced_ingress}[kind]
         return json.loads(call(namespace, label_selector=selector, _preload_content=False).data)["items"]
 
     def create(self, body: dict) -> dict:
@@ -621,6 +724,19 @@ def test_injected_api_faults_are_retried_until_the_children_and_status_are_right
     wait_for("Ready", lambda: operator.condition(ns, name, "Ready").get("status") == "True", timeout=30)
     for kind, count in (("Deployment", 2), ("ConfigMap", 2), ("Service", 1)):
         assert len(operator.owned(kind, ns, name)) == count, kind
+
+
+def test_a_bad_session_header_past_the_schema_is_an_invalid_spec_naming_the_field(operator, deployed):
+    """A resource the CRD's schema would refuse (an older CRD, a server that skipped it): nothing is made, and the
+    Degraded condition names the field and the value."""
+    ns, name = "ingress", "bad-header"
+    deployed(resource(name, ns, ingress={"enabled": True, "affinity": "header", "sessionHeader": "X_Session_Id"}))
+    degraded = wait_for("Degraded", lambda: (c := operator.condition(ns, name, "Degraded")).get("status") == "True"
+                        and c)
+    assert degraded["reason"] == "InvalidSpec"
+    assert "at ingress.sessionHeader" in degraded["message"] and "'X_Session_Id'" in degraded["message"]
+    for kind in ("Deployment", "Service", "Ingress"):
+        assert operator.owned(kind, ns, name) == [], kind
 
 
 def test_the_emulator_keeps_what_kopf_relies_on(api):

@@ -3,7 +3,8 @@
 Per hardware profile, a ConfigMap holding `strata serve`'s config file (autoconfig's settings with the spec's over
 them) and a Deployment pinned to the profile's nodes, whose pod template carries the config's hash, so a change of
 settings (from the spec or from the nodes' facts) rolls the pods; one Service over all of them, labelled and named
-as the chart's ServiceMonitor selects. Owner references are not set here: the handlers adopt the children.
+as the chart's ServiceMonitor selects; with `spec.ingress.enabled`, an Ingress to that Service. Owner references
+are not set here: the handlers adopt the children.
 """
 
 from __future__ import annotations
@@ -202,6 +203,43 @@ def build_service(sd: StrataDeployment) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": service_spec}
 
 
+# ---------------------------------------------------------------------------------------------- Ingress
+
+HASH_BY = "nginx.ingress.kubernetes.io/upstream-hash-by"
+
+
+def nginx_header_variable(header: str) -> str:
+    """ingress-nginx's variable for a request header, as the chart writes it: X-Session-Id -> $http_x_session_id."""
+    return "$http_" + header.lower().replace("-", "_")
+
+
+def build_ingress(sd: StrataDeployment) -> dict:
+    """`spec.ingress`: an Ingress to the Service's port (by name), as the chart's `server.ingress` makes one. With
+    header affinity ingress-nginx hashes the session header to choose the replica, so every turn of a conversation
+    reaches the replica that parked it; an annotation of the spec's wins over that one."""
+    ingress = sd.spec.ingress
+    annotations = {HASH_BY: nginx_header_variable(ingress.session_header)} if ingress.affinity == "header" else {}
+    annotations.update(ingress.annotations)
+    metadata: dict[str, Any] = {"name": service_name(sd), "namespace": sd.namespace,
+                                "labels": {**owned_labels(sd), "app.kubernetes.io/component": "server"}}
+    if annotations:
+        metadata["annotations"] = annotations
+    backend = {"service": {"name": service_name(sd), "port": {"name": METRICS_PORT_NAME}}}
+    rule: dict[str, Any] = {"http": {"paths": [{"path": ingress.path, "pathType": "Prefix", "backend": backend}]}}
+    if ingress.host:
+        rule["host"] = ingress.host
+    spec: dict[str, Any] = {"rules": [rule]}
+    if ingress.class_name:
+        spec["ingressClassName"] = ingress.class_name
+    if ingress.tls:  # as given; empty fields left out, as the API server leaves them
+        spec["tls"] = [{k: v for k, v in t.model_dump(by_alias=True).items() if v} for t in ingress.tls]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata, "spec": spec}
+
+
 # Fields a builder leaves out when they must not be there: `Kube.apply` removes them from the live object (a merge
-# patch only adds and changes). The API server refuses a sessionAffinityConfig beside sessionAffinity None.
-CLEARED_WHEN_ABSENT: dict[str, tuple[tuple[str, ...], ...]] = {"Service": (("spec", "sessionAffinityConfig"),)}
+# patch only adds and changes). The API server refuses a sessionAffinityConfig beside sessionAffinity None; an
+# Ingress whose affinity went back to none must lose the hash, and one whose TLS went must lose it.
+CLEARED_WHEN_ABSENT: dict[str, tuple[tuple[str, ...], ...]] = {
+    "Service": (("spec", "sessionAffinityConfig"),),
+    "Ingress": (("metadata", "annotations", HASH_BY), ("spec", "tls")),
+}

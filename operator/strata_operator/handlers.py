@@ -31,7 +31,7 @@ RESOURCE = (GROUP, VERSION, PLURAL)
 RESYNC_SECONDS = float(os.environ.get("STRATA_OPERATOR_RESYNC_SECONDS", "10"))
 DEFAULT_IMAGE = "strata:latest"  # when neither the resource nor $STRATA_OPERATOR_IMAGE names one
 FINALIZER = "strata.dev/operator"
-CHILD_KINDS = ("Deployment", "ConfigMap", "Service")
+CHILD_KINDS = ("Deployment", "ConfigMap", "Service", "Ingress")
 
 _kube: Kube | None = None
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -137,17 +137,21 @@ def _apply(sd: StrataDeployment, the_plan: Plan, owner: dict, logger: logging.Lo
         configmap = builders.build_configmap(sd, p.profile, p.proposal)
         wanted += [configmap, builders.build_deployment(sd, p.profile, p.proposal, configmap, default_image=image)]
     wanted.append(builders.build_service(sd))
+    if sd.spec.ingress.enabled:
+        wanted.append(builders.build_ingress(sd))
     for obj in wanted:
         kopf.adopt(obj, owner=owner)
         _, action = _call(kube().apply, obj)
         if action != "unchanged":
             logger.info(f"{action} {obj['kind']} {obj['metadata']['name']}")
     keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
-    for kind in ("Deployment", "ConfigMap"):  # profiles that are gone (nodes removed, facts changed)
+    # children no longer wanted: profiles that are gone (nodes removed, facts changed), an Ingress switched off
+    gone = {"Deployment": "its profile is gone", "ConfigMap": "its profile is gone", "Ingress": "ingress is off"}
+    for kind, why in gone.items():
         for child in _call(kube().owned, kind, sd.namespace, builders.owned_labels(sd), sd.uid):
             if (kind, child["metadata"]["name"]) not in keep:
                 _call(kube().delete, kind, sd.namespace, child["metadata"]["name"])
-                logger.info(f"deleted {kind} {child['metadata']['name']}: its profile is gone")
+                logger.info(f"deleted {kind} {child['metadata']['name']}: {why}")
 
 
 def _announce(body: dict, the_plan: Plan, logger: logging.Logger) -> None:

@@ -15,13 +15,14 @@ MERGE_PATCH = "application/merge-patch+json"
 
 
 class Kube:
-    """ConfigMaps, Services and Deployments in a namespace, read and written as dicts."""
+    """ConfigMaps, Services, Deployments and Ingresses in a namespace, read and written as dicts."""
 
     def __init__(self, api_client=None):
         from kubernetes import client
 
         self.client = api_client or client.ApiClient(_configuration())
         core, apps = client.CoreV1Api(self.client), client.AppsV1Api(self.client)
+        networking = client.NetworkingV1Api(self.client)
         self._calls: dict[str, dict[str, Callable]] = {
             "ConfigMap": dict(read=core.read_namespaced_config_map, create=core.create_namespaced_config_map,
                               patch=core.patch_namespaced_config_map, delete=core.delete_namespaced_config_map,
@@ -32,6 +33,9 @@ class Kube:
             "Deployment": dict(read=apps.read_namespaced_deployment, create=apps.create_namespaced_deployment,
                                patch=apps.patch_namespaced_deployment, delete=apps.delete_namespaced_deployment,
                                list=apps.list_namespaced_deployment),
+            "Ingress": dict(read=networking.read_namespaced_ingress, create=networking.create_namespaced_ingress,
+                            patch=networking.patch_namespaced_ingress, delete=networking.delete_namespaced_ingress,
+                            list=networking.list_namespaced_ingress),
         }
 
     def read(self, kind: str, namespace: str, name: str) -> dict | None:

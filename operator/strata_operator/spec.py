@@ -3,12 +3,17 @@ with the CRD's defaults, so a resource that came through an API server without d
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 GROUP, VERSION, PLURAL, KIND = "strata.dev", "v1alpha1", "stratadeployments", "StrataDeployment"
+# As the chart's values.schema.json (server.ingress): a DNS name, a leading `*.` for a wildcard; an HTTP header name of
+# letters, digits and single dashes (nginx drops a header whose name holds `_`, and names its variable with `_` for `-`)
+HOST_PATTERN = r"^(\*\.)?([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]*[a-z0-9])?$|^$"
+HEADER_PATTERN = r"^[A-Za-z0-9]+(-[A-Za-z0-9]+)*$"
 
 
 class _Camel(BaseModel):
@@ -47,6 +52,32 @@ class Service(_Camel):
     session_affinity_timeout_seconds: int = Field(10800, ge=1, le=86400)
 
 
+class IngressTLS(_Camel):
+    secret_name: str | None = Field(None, description="the Secret holding the certificate and key")
+    hosts: list[str] = Field(default_factory=list, description="the hosts the certificate covers")
+
+
+class Ingress(_Camel):
+    """An Ingress to the Service; with `affinity: header`, ingress-nginx hashes `session_header` to choose the replica,
+    so a conversation's follow-ups reach the replica that parked it (the chart's `server.ingress`)."""
+    enabled: bool = Field(False, description="make the Ingress; switched off, the operator deletes it")
+    class_name: str = Field("", description="the IngressClass; empty, the cluster's default class")
+    host: str = Field("", pattern=HOST_PATTERN, description="a DNS name (*. for a wildcard); empty, every host")
+    path: str = Field("/", pattern=r"^/", description="the path prefix routed to the Service")
+    annotations: dict[str, str] = Field(default_factory=dict, description="added as they are; they win over the hash")
+    tls: list[IngressTLS] = Field(default_factory=list, description="the Ingress' TLS, as the chart's")
+    affinity: Literal["none", "header"] = Field("none", description="header: ingress-nginx hashes session_header")
+    session_header: str = Field("X-Session-Id", description="the request header naming the conversation")
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        if not re.fullmatch(HEADER_PATTERN, value):
+            raise ValueError(f"{value!r} is not an HTTP header name that ingress-nginx can hash: "
+                             "letters, digits and single dashes, e.g. X-Session-Id")
+        return value
+
+
 class Monitoring(_Camel):
     enabled: bool = True
 
@@ -66,6 +97,7 @@ class Spec(_Camel):
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     storage: Storage = Storage()
     service: Service = Service()
+    ingress: Ingress = Ingress()
     monitoring: Monitoring = Monitoring()
 
     @property
