@@ -524,6 +524,28 @@ def test_gdn_checkpoints_serve_a_rewritten_history_and_a_regenerated_answer(mode
         assert off.run(edited)[1] == 0
 
 
+@pytest.mark.parametrize("model", [HYBRID], indirect=True)
+def test_a_parked_gdn_checkpoint_whose_bytes_changed_is_refused(model, caplog):
+    """A parked conversation's checkpoint carries the checksum of the device states it was copied from: a flipped
+    byte in its host copy is found when an edited follow-up restores from it, refused with a log line, and the
+    prompt read again, answering as a fresh read does."""
+    engine = engine_with(model, park_gb=0.05, checkpoint_every=0)
+    driver = Driver(engine, 1)
+    turn1 = conversation(7, 40)  # a checkpoint at 39
+    answer, _, _ = driver.run(turn1)
+    driver.run(conversation(8))  # conversation 7 is parked, its checkpoint with it
+    (snap,) = [s for s in engine.parking._snapshots.values() if s.tokens[: len(turn1)] == turn1]
+    checkpoint = snap.checkpoints[len(turn1) - 1]
+    assert checkpoint.sum is not None
+    flip_a_byte(next(iter(checkpoint.values()))[1], at=40)  # a recurrent state's byte
+    edited = turn1 + answer[:3] + [9, 9, 9]
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        got, reused, _ = driver.run(edited)
+    assert reused == 0 and engine.parking.refused == 1
+    assert f"its GDN checkpoint at {len(turn1) - 1} positions changed" in caplog.text
+    assert got == Driver(engine_with(model, park_gb=0, checkpoint_every=0), 1).run(edited)[0]
+
+
 def test_periodic_gdn_checkpoints_serve_an_edit_far_back(model):
     """Every 16 prompt tokens: an edit at token 20 of a 40-token conversation reads from position 16; a short read
     after the last periodic checkpoint (39 - 32 < 32 tokens) keeps no prompt-end checkpoint."""

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from strata.errors import StrataError
-from strata.state.session import SessionState
+from strata.state.session import SessionState, checksum  # noqa: F401 (park_disk and the tests take it from here)
 
 if TYPE_CHECKING:
     from strata.state.park_vram import VramCopy
@@ -167,18 +167,6 @@ def model_fingerprint(spec, dtype: torch.dtype, path: str | os.PathLike | None =
 def token_hash(tokens: Sequence[int]) -> str:
     """A 128-bit hash of the token ids (as int64 words: 0.5 ms for 9K tokens, where hashing their text took 2.4)."""
     return hashlib.blake2b(array.array("q", tokens).tobytes(), digest_size=16).hexdigest()
-
-
-def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor | int:
-    """A 64-bit sum of the 32-bit words of the tensors' bytes (16-bit words for a tensor of an odd number of them),
-    computed where they live, without waiting: a 0-dim int64 tensor on the first one's device (`int()` reads it)."""
-    total = None
-    for t in tensors:
-        flat = t.contiguous().view(-1)
-        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.int16)
-        part = words.sum(dtype=torch.int64)
-        total = part if total is None else total.to(part.device) + part
-    return 0 if total is None else total
 
 
 class RunningChecksum:
@@ -502,6 +490,20 @@ class Snapshot:
         state.checkpoints = dict(self.checkpoints)
         state.origin = (self, n)
         state.truncate(length)  # with GDN layers: back to the checkpoint at `length`
+        if state.conv and length != n:
+            self._check_checkpoint(state, length)
+
+    def _check_checkpoint(self, state: SessionState, length: int) -> None:
+        """The GDN states just taken from the checkpoint at `length` against the checksum of the device states it was
+        copied from (a checkpoint read from a park file has none: the file's own sum covered it)."""
+        taken = getattr(self.checkpoints[length], "sum", None)
+        if taken is None:
+            return
+        arrived = int(checksum(t for i in state.conv for t in (state.conv[i], state.recurrent[i])))
+        if arrived != int(taken):
+            state.reset()
+            raise SnapshotRefused(f"its GDN checkpoint at {length} positions changed since it was taken (checksum "
+                                  f"{arrived:#x}, taken {int(taken):#x})")
 
     def _restore_from_host(self, state: SessionState, n: int) -> None:
         """Copy the host image (and its bases' cells) into `state`, checking the checksum of what arrived."""

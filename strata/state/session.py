@@ -7,6 +7,8 @@ that indexes by each row's sequence id. A `SessionState` is one sequence's views
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from strata.errors import PromptTooLong
@@ -57,6 +59,26 @@ class StatePool:
     def keep_nbytes(self) -> int:
         """The bytes of the keep slots (`keep_states`)."""
         return sum(t.numel() * t.element_size() for t in (*self.keep_conv.values(), *self.keep_recurrent.values()))
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor | int:
+    """A 64-bit sum of the 32-bit words of the tensors' bytes (16-bit words for a tensor of an odd number of them),
+    computed where they live, without waiting: a 0-dim int64 tensor on the first one's device (`int()` reads it)."""
+    total = None
+    for t in tensors:
+        flat = t.contiguous().view(-1)
+        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.int16)
+        part = words.sum(dtype=torch.int64)
+        total = part if total is None else total.to(part.device) + part
+    return 0 if total is None else total
+
+
+class Checkpoint(dict):
+    """A sequence's GDN states after some position: layer -> (conv, recurrent) host copies, and `sum`, the `checksum`
+    of the device states they were copied from (None where none was taken: read from a park file, which has its own),
+    checked when a parked conversation is restored from it."""
+
+    sum: torch.Tensor | int | None = None
 
 
 class SessionState:
@@ -145,7 +167,8 @@ class SessionState:
         in flight on a GPU: the state is the one their last row leaves)."""
         if not self.conv:
             return
-        kept, devices = {}, set()
+        kept, devices = Checkpoint(), set()
+        kept.sum = checksum(t for i in self.conv for t in (self.conv[i], self.recurrent[i]))  # queued, not waited for
         for i in self.conv:
             kept[i] = tuple(_host_copy(t) for t in (self.conv[i], self.recurrent[i]))
             devices.add(self.conv[i].device)
