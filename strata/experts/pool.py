@@ -97,9 +97,10 @@ def q8_records_faster(gate_up: PackedWeight, down: PackedWeight) -> bool:
     """Whether the pool's kernel computes q8_0 experts faster from their records (1.06 bytes a value, each group
     turned into bf16 in registers) than written out in bfloat16 (2 bytes a value, no conversion), on this host: a
     memory-bound host gains from the fewer bytes, one with few fast cores and much bandwidth a core loses to the
-    conversion (the 2-vCPU CI VM: 177 against 128 us an expert at one row). Measured once per process and shape:
-    one row through up to Q8_TRIAL_EXPERTS of the layer's experts each way, best of 3 (said in the log).
-    STRATA_POOL_Q8=1 or 0 decides instead."""
+    conversion (the 2-vCPU CI VM: 177 against 128 us an expert at one row; the H100's 16-core host: about even at
+    one row, 1.1-1.3x slower from four). Measured once per process and shape: one row, then four rows, through up
+    to Q8_TRIAL_EXPERTS of the layer's experts each way, best of 3; the records only where faster at both (said in
+    the log). STRATA_POOL_Q8=1 or 0 decides instead."""
     forced = os.environ.get("STRATA_POOL_Q8")
     if forced in ("0", "1"):
         return forced == "1"
@@ -110,22 +111,23 @@ def q8_records_faster(gate_up: PackedWeight, down: PackedWeight) -> bool:
         records = ([r for r in gate_up.index(pick).data.contiguous()], [r for r in down.index(pick).data.contiguous()])
         plain = ([m for m in dequantize(gate_up.index(pick)).to(torch.bfloat16).contiguous()],
                  [m for m in dequantize(down.index(pick)).to(torch.bfloat16).contiguous()])
-        x = torch.randn(n, key[0]).to(torch.bfloat16)
         threads = torch.get_num_threads()
         times = {}
-        for name, (gu, dn) in (("records", records), ("bf16", plain)):
-            native.experts_bf16(x, [1] * n, gu, dn, threads)
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                native.experts_bf16(x, [1] * n, gu, dn, threads)
-                best = min(best, time.perf_counter() - start)
-            times[name] = best
-        _q8_choice[key] = times["records"] < times["bf16"]
-        log.info("the CPU expert pool reads q8_0 experts %s (one row through %d experts: %.2f ms from their records, "
-                 "%.2f ms written out in bf16; STRATA_POOL_Q8=0/1 decides instead)",
-                 "as their records" if _q8_choice[key] else "written out in bf16", n, times["records"] * 1e3,
-                 times["bf16"] * 1e3)
+        for rows in (1, 4):
+            x = torch.randn(n * rows, key[0]).to(torch.bfloat16)
+            for name, (gu, dn) in (("records", records), ("bf16", plain)):
+                native.experts_bf16(x, [rows] * n, gu, dn, threads)
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    native.experts_bf16(x, [rows] * n, gu, dn, threads)
+                    best = min(best, time.perf_counter() - start)
+                times[name, rows] = best
+        _q8_choice[key] = all(times["records", r] < times["bf16", r] for r in (1, 4))
+        log.info("the CPU expert pool reads q8_0 experts %s (%d experts, one / four rows each: %.2f / %.2f ms from "
+                 "their records, %.2f / %.2f ms written out in bf16; STRATA_POOL_Q8=0/1 decides instead)",
+                 "as their records" if _q8_choice[key] else "written out in bf16", n, times["records", 1] * 1e3,
+                 times["records", 4] * 1e3, times["bf16", 1] * 1e3, times["bf16", 4] * 1e3)
     return _q8_choice[key]
 
 
