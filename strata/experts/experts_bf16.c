@@ -191,7 +191,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                               c * H / 32, (c + 1) * H / 32);
                 }
             }
-            #pragma omp for schedule(runtime)
+            #pragma omp for schedule(static)
             for (int u = 0; u < E * nb1; u++) {
                 int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
                 for (int g = group[e]; g < group[e + 1]; g++) {
@@ -201,7 +201,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 }
             }
         } else
-        #pragma omp for schedule(runtime)
+        #pragma omp for schedule(static)
         for (int u = 0; u < E * nb1; u++) {
             int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
@@ -234,7 +234,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                               c * I / 32, (c + 1) * I / 32);
                 }
             }
-            #pragma omp for schedule(runtime)
+            #pragma omp for schedule(static)
             for (int u = 0; u < E * nb2; u++) {
                 int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
                 for (int g = group[e]; g < group[e + 1]; g++) {
@@ -244,7 +244,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 }
             }
         } else
-        #pragma omp for schedule(runtime)
+        #pragma omp for schedule(static)
         for (int u = 0; u < E * nb2; u++) {
             int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
