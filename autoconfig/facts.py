@@ -49,6 +49,8 @@ class HostFacts(BaseModel):
     ram_total_bytes: int
     ram_available_bytes: int
     cpu_cores: int = Field(description="CPUs this process may use (affinity and cgroup quota)")
+    cpu_bf16_dots: bool = Field(False, description="the CPU has AVX512_BF16 dot products, so the CPU expert pool runs "
+                                "its own kernel (strata/experts/native.py), which reads experts faster than oneDNN")
     ram_read_gbps: float = Field(0.0, description="measured: GB/s this process's threads read host RAM at (a sum "
                                  "over a buffer larger than the caches); 0 when not measured")
 
@@ -193,7 +195,17 @@ def read_host(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"),
     quota = _cgroup_cpus(cgroup / "cpu.max")
     if quota is not None:
         cores = max(1, min(cores, quota))
-    return HostFacts(ram_total_bytes=total, ram_available_bytes=available, cpu_cores=cores)
+    return HostFacts(ram_total_bytes=total, ram_available_bytes=available, cpu_cores=cores,
+                     cpu_bf16_dots="avx512_bf16" in _cpu_flags(proc / "cpuinfo"))
+
+
+def _cpu_flags(cpuinfo: Path) -> set[str]:
+    """The first CPU's flags in /proc/cpuinfo (none where it cannot be read)."""
+    try:
+        line = next((x for x in cpuinfo.read_text().splitlines() if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
 
 
 def _meminfo(path: Path) -> dict[str, int]:

@@ -27,9 +27,12 @@ from autoconfig.memory import (
 DEFAULT_CONTEXT = 8192
 MAX_SLOTS = 256  # EngineSettings.batch's limit
 HOST_CORES = 2  # cores kept for the engine's host loop and the HTTP server
-# The CPU pool's products read host experts at about this share of the RAM read bandwidth measured by a plain sum
-# (bench/experts.py on the H200 host: 17-31 GB/s in windows against 90-104 GB/s measured, docs/PERFORMANCE.md)
+# The CPU pool's products read host experts at about this share of the RAM read bandwidth measured by a plain sum,
+# inside the engine's decode windows (bench/experts.py, docs/PERFORMANCE.md): oneDNN's products 17-31 GB/s against
+# 90-104 measured (H200 host); the pool's own kernel, where the CPU has AVX512_BF16, 33-59 GB/s against 94 at one to
+# eight rows (H100 host, thirty-third session)
 POOL_READ_SHARE = 0.25
+POOL_KERNEL_READ_SHARE = 0.45
 PARK_VRAM_SHARE = 0.5  # of the VRAM a card has left after weights and state: copies of parked conversations
 PARK_VRAM_MIN_GB = 1.0  # less is not proposed (one 9K-token conversation of the 30B shape parks 0.9 GB)
 PARK_GB_DEFAULT = 4.0  # the host tier's default budget (strata.state.parking.DEFAULT_PARK_GB, a quarter of RAM at most)
@@ -378,11 +381,13 @@ def _pcie_frac(cards: list, host) -> tuple[float, str]:
         return 0.0, "0: the cards' PCIe links are not known"
     if not host.ram_read_gbps:
         return 0.0, "0: the host's RAM read bandwidth was not measured (the CPU pool computes every host expert)"
-    pool = host.ram_read_gbps * POOL_READ_SHARE
+    share, way = ((POOL_KERNEL_READ_SHARE, "its own kernel: the CPU has AVX512_BF16") if host.cpu_bf16_dots
+                  else (POOL_READ_SHARE, "oneDNN's products: the CPU has no AVX512_BF16"))
+    pool = host.ram_read_gbps * share
     frac = round(link / (link + pool), 2)
     return frac, (f"{frac}: the link uploads {link:.0f} GB/s and the CPU pool reads about {pool:.0f} GB/s "
-                  f"({POOL_READ_SHARE:.0%} of the {host.ram_read_gbps:.0f} GB/s measured), so uploading that share "
-                  "of the host experts' weights takes as long as the CPU computing the rest")
+                  f"({share:.0%} of the {host.ram_read_gbps:.0f} GB/s measured, on {way}), so uploading that "
+                  "share of the host experts' weights takes as long as the CPU computing the rest")
 
 
 def _link_notes(cards: list[GpuFacts], spills: bool) -> list[str]:

@@ -119,6 +119,10 @@ def test_read_host_within_cgroup_limits(tmp_path):
     (proc / "meminfo").write_text("MemTotal:       263856128 kB\nMemFree:   1000 kB\nMemAvailable:   250000000 kB\n")
     host = read_host(proc, cgroup)
     assert host.ram_total_bytes == 263856128 * 1024 and host.ram_available_bytes == 250000000 * 1024
+    assert not host.cpu_bf16_dots  # no cpuinfo to read
+    (proc / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\n"
+                                  "processor\t: 1\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert read_host(proc, cgroup).cpu_bf16_dots
     (cgroup / "memory.max").write_text(f"{64 << 30}\n")
     (cgroup / "memory.current").write_text(f"{4 << 30}\n")
     (cgroup / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs
@@ -203,7 +207,7 @@ def test_four_16gb_cards_gen3_with_one_on_x8(next80b):
 def test_pcie_frac_balances_the_slowest_link_against_the_cpu_pool(next80b):
     """With the host's RAM read bandwidth measured: F = link / (link + pool), the pool reading at POOL_READ_SHARE of
     it, over the slowest card's link (an x8 Gen3 card here: 7.9 GB/s); no share when nothing spills."""
-    from autoconfig.rules import POOL_READ_SHARE
+    from autoconfig.rules import POOL_KERNEL_READ_SHARE, POOL_READ_SHARE
 
     facts = machine("4x16gb-gen3-x8")
     facts.host.ram_read_gbps = 40.0
@@ -213,6 +217,11 @@ def test_pcie_frac_balances_the_slowest_link_against_the_cpu_pool(next80b):
     want = round(link / (link + 40.0 * POOL_READ_SHARE), 2)
     assert p.settings["pcie_frac"] == want and 0 < want < 1
     assert f"{link:.0f} GB/s" in p.reasons["pcie_frac"] and "40 GB/s measured" in p.reasons["pcie_frac"]
+    assert "oneDNN" in p.reasons["pcie_frac"]
+    facts.host.cpu_bf16_dots = True  # the pool's own kernel reads faster: less is uploaded
+    k = propose(Facts(machine=facts, model=next80b), Wishes(concurrency=8))
+    assert k.settings["pcie_frac"] == round(link / (link + 40.0 * POOL_KERNEL_READ_SHARE), 2) < want
+    assert "its own kernel" in k.reasons["pcie_frac"]
     big = machine("1xh200")
     big.host.ram_read_gbps = 40.0
     fits = propose(Facts(machine=big, model=read_model("default")), Wishes(concurrency=8))
