@@ -153,6 +153,31 @@ static void amx_rows(const uint32_t *xv, int R, const uint16_t *w, int K, float 
 #define BLOCK 64  /* weight rows a work unit */
 #define SUM_BLOCK 256  /* outputs a unit of the weighted sums */
 
+/* Inside experts_run's parallel region: y [P][N] = each expert's rows of src [P][K] through its weights w[e] [N][K],
+   on AMX: each group of 16 rows (group[e] .. group[e + 1] - 1 are expert e's) turned into its pairs in xv, then the
+   products, a unit of BLOCK weight rows at a time. */
+static void amx_products(int E, const int *group, const int *start, const int *count, const uint16_t *src, int K,
+                         uint32_t *xv, const int64_t *w, int N, float *y) {
+    int nb = (N + BLOCK - 1) / BLOCK;
+    #pragma omp for schedule(static)
+    for (int u = 0; u < E * 16; u++) {  /* expert, sixteenth of the pairs */
+        int e = u / 16, c = u % 16;
+        for (int g = group[e]; g < group[e + 1]; g++) {
+            int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+            amx_pairs(src + (size_t)(start[e] + r0) * K, K, R16, xv + (size_t)g * K * 8, c * K / 32, (c + 1) * K / 32);
+        }
+    }
+    #pragma omp for schedule(static)
+    for (int u = 0; u < E * nb; u++) {
+        int e = u / nb, b = u % nb, n1 = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
+        for (int g = group[e]; g < group[e + 1]; g++) {
+            int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
+            amx_rows(xv + (size_t)g * K * 8, R16, (const uint16_t *)w[e], K, y + (size_t)(start[e] + r0) * N, N,
+                     b * BLOCK, n1);
+        }
+    }
+}
+
 /* E experts: expert e's rows are x[start[e] .. start[e] + count[e]) (bf16 [P][H]), or with `gather` the rows
    x[gather[start[e]]], ...; its gate_up bf16 [2I][H] at address gate_up[e], its down bf16 [H][I] at down[e].
    Scratch xg bf16 [P][H] (with gather), h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. With `sum` (R rows):
@@ -166,13 +191,12 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
     const uint16_t *rows = gather ? xg : x;
     int amx = use_amx && !q8, G = 0;  /* AMX: each expert's rows in groups of 16, each group's pairs in xv1 / xv2 */
     int *group = 0;
-    uint32_t *xv1 = 0, *xv2 = 0;
+    uint32_t *xv = 0;
     if (amx) {
         group = malloc(sizeof(int) * (E + 1));
         for (int e = 0; e < E; e++) { group[e] = G; G += (count[e] + 15) / 16; }
         group[E] = G;
-        xv1 = malloc((size_t)G * H * 32);  /* H / 2 pairs x 16 rows x 4 bytes a group */
-        xv2 = malloc((size_t)G * I * 32);
+        xv = malloc((size_t)G * (H > I ? H : I) * 32);  /* K / 2 pairs x 16 rows x 4 bytes a group */
     }
     #pragma omp parallel num_threads(threads)
     {
@@ -181,26 +205,9 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
             #pragma omp for schedule(static)
             for (int p = 0; p < P; p++) __builtin_memcpy(xg + (size_t)p * H, x + (size_t)gather[p] * H, 2 * (size_t)H);
         }
-        if (amx) {
-            #pragma omp for schedule(static)
-            for (int u = 0; u < E * 16; u++) {  /* expert, sixteenth of the pairs */
-                int e = u / 16, c = u % 16;
-                for (int g = group[e]; g < group[e + 1]; g++) {
-                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
-                    amx_pairs(rows + (size_t)(start[e] + r0) * H, H, R16, xv1 + (size_t)g * H * 8,
-                              c * H / 32, (c + 1) * H / 32);
-                }
-            }
-            #pragma omp for schedule(static)
-            for (int u = 0; u < E * nb1; u++) {
-                int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
-                for (int g = group[e]; g < group[e + 1]; g++) {
-                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
-                    amx_rows(xv1 + (size_t)g * H * 8, R16, (const uint16_t *)gate_up[e], H,
-                             h + (size_t)(start[e] + r0) * 2 * I, 2 * I, b * BLOCK, n1);
-                }
-            }
-        } else
+        if (amx)
+            amx_products(E, group, start, count, rows, H, xv, gate_up, 2 * I, h);
+        else
         #pragma omp for schedule(static)
         for (int u = 0; u < E * nb1; u++) {
             int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
@@ -224,26 +231,9 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                 a[(size_t)p * I + i] = (uint16_t)(bits >> 16);
             }
         }
-        if (amx) {
-            #pragma omp for schedule(static)
-            for (int u = 0; u < E * 16; u++) {
-                int e = u / 16, c = u % 16;
-                for (int g = group[e]; g < group[e + 1]; g++) {
-                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
-                    amx_pairs(a + (size_t)(start[e] + r0) * I, I, R16, xv2 + (size_t)g * I * 8,
-                              c * I / 32, (c + 1) * I / 32);
-                }
-            }
-            #pragma omp for schedule(static)
-            for (int u = 0; u < E * nb2; u++) {
-                int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
-                for (int g = group[e]; g < group[e + 1]; g++) {
-                    int r0 = (g - group[e]) * 16, R16 = count[e] - r0 < 16 ? count[e] - r0 : 16;
-                    amx_rows(xv2 + (size_t)g * I * 8, R16, (const uint16_t *)down[e], I,
-                             out + (size_t)(start[e] + r0) * H, H, b * BLOCK, n1);
-                }
-            }
-        } else
+        if (amx)
+            amx_products(E, group, start, count, a, I, xv, down, H, out);
+        else
         #pragma omp for schedule(static)
         for (int u = 0; u < E * nb2; u++) {
             int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
@@ -279,7 +269,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         }
         if (amx) _tile_release();
     }
-    free(group); free(xv1); free(xv2);
+    free(group); free(xv);
 }
 
 void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
