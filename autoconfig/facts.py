@@ -195,17 +195,10 @@ def read_host(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"),
     quota = _cgroup_cpus(cgroup / "cpu.max")
     if quota is not None:
         cores = max(1, min(cores, quota))
+    from strata.experts.native import cpu_has_bf16_dots  # (imports torch: not at module level)
+
     return HostFacts(ram_total_bytes=total, ram_available_bytes=available, cpu_cores=cores,
-                     cpu_bf16_dots="avx512_bf16" in _cpu_flags(proc / "cpuinfo"))
-
-
-def _cpu_flags(cpuinfo: Path) -> set[str]:
-    """The first CPU's flags in /proc/cpuinfo (none where it cannot be read)."""
-    try:
-        line = next((x for x in cpuinfo.read_text().splitlines() if x.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+                     cpu_bf16_dots=cpu_has_bf16_dots(proc / "cpuinfo"))
 
 
 def _meminfo(path: Path) -> dict[str, int]:

@@ -34,18 +34,20 @@ SOURCE = Path(__file__).resolve().parent / "experts_bf16.c"
 ALIGN = 32  # the kernel's dot products take 32 bf16 at a time: H and I multiples of it
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The first CPU's flags in `cpuinfo` (none off x86-64, or where it cannot be read)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return set()
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return set()
-    return set(flags.split()[2:])
+    return set(flags.partition(":")[2].split())
 
 
-def _cpu_has_bf16_dots() -> bool:
-    return "avx512_bf16" in _cpu_flags()
+def cpu_has_bf16_dots(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU has AVX512_BF16 dot products, which the kernel needs (autoconfig reads it too)."""
+    return "avx512_bf16" in _cpu_flags(cpuinfo)
 
 
 def amx_available() -> bool:
@@ -94,7 +96,7 @@ def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be had here (why: in the log, once)."""
     if os.environ.get("STRATA_POOL_KERNEL", "1") == "0":
         return None
-    if not _cpu_has_bf16_dots():
+    if not cpu_has_bf16_dots():
         log.info("the CPU expert pool uses oneDNN's products: this CPU has no AVX512_BF16 dot products")
         return None
     lib = SHIPPED
