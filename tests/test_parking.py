@@ -292,6 +292,39 @@ def test_an_image_whose_base_was_written_over_is_evicted_and_a_re_park_copies_wh
     assert lot.best(state.tokens + [99])[1].base is None
 
 
+def test_a_recent_image_on_an_old_base_outlives_the_images_parked_between_them(spec):
+    """Eviction keeps the most recently used: "a" is parked, then "x", then "a" comes back, reads two tokens and is
+    parked again as an image extending "a"'s bytes at the ring's start. The next snapshot, wrapping round, writes
+    over "x" (parked before it) and not over those bytes, so the recent conversation stays restorable bit for bit."""
+    a_ids, x_ids, y_ids = list(range(1, 21)), list(range(40, 60)), list(range(70, 90))
+    size = Snapshot.region_bytes(filled(spec, a_ids, seed=24))
+    state = filled(spec, [], seed=25)
+    probe = ParkingLot(10**9, truncatable=not spec.gdn_layers())  # the dependent image's size, measured alike
+    probe.park(filled(spec, a_ids, seed=24))
+    reuse_prefix(state, a_ids + [30, 31], [], probe)
+    grow(state, [30, 31], seed=26)
+    own = Snapshot.region_bytes(state, len(a_ids))
+    lot = lot_for(spec, 2 * size + own + 8)
+    assert lot.park(filled(spec, a_ids, seed=24))  # "a" at the ring's start
+    assert lot.park(filled(spec, x_ids, seed=27))  # "x" after it
+    state = filled(spec, [], seed=25)
+    assert reuse_prefix(state, a_ids + [30, 31], [], lot) == len(a_ids)
+    grow(state, [30, 31], seed=26)
+    assert lot.park(state)  # extends "a"'s bytes: the most recent image
+    b_ids = list(state.tokens)
+    assert lot.best(b_ids + [99])[1].base is not None
+    assert lot.park(filled(spec, y_ids, seed=28))  # no room at the end: wraps, skips "a"'s bytes, writes over "x"
+    assert lot.best(x_ids + [99]) == (0, None) and lot.evictions == 1
+    count, image = lot.best(b_ids + [99])
+    assert count == len(b_ids) and image.base is not None
+    copy = filled(spec, [7], seed=29)
+    image.restore(copy, len(b_ids))
+    assert_same_state(copy, state)
+    assert lot.best(y_ids + [99])[0] == len(y_ids)
+    assert lot.park(filled(spec, list(range(100, 120)), seed=30))  # one more: the chain is now the oldest, and goes
+    assert lot.best(b_ids + [99]) == (0, None) and lot.best(y_ids + [99])[0] == len(y_ids)
+
+
 def test_bad_budgets_are_refused_with_a_clear_message(capsys):
     ram = host_ram_bytes()
     assert park_budget(None) == int(min(DEFAULT_PARK_GB * GB, ram / 4))

@@ -292,8 +292,8 @@ class HostRing:
 
     def place(self, size: int, avoid: Iterable[tuple[int, int]] = ()) -> int | None:
         """The offset of `size` bytes at the head (wrapping to 0 when they do not fit before the end), never over
-        a region of `avoid` ((offset, bytes) each); None when no such place exists."""
-        avoid = list(avoid)
+        a region of `avoid` ((offset, bytes) each); None when no such place exists (the head stays where it was)."""
+        avoid, head = list(avoid), self.head
         for _ in range(len(avoid) + 3):
             if self.head + size > self.capacity:
                 self.head = 0
@@ -304,6 +304,7 @@ class HostRing:
                 continue
             self.head = end
             return start
+        self.head = head
         return None
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -577,10 +578,10 @@ class ParkingLot:
         self.ring.reserve(pinned=any(t.device.type == "cuda" for t in (*state.k.values(), *state.conv.values())))
         keep = ([avoid.region] if avoid is not None and avoid.where == "ram" else []) + \
             (base.regions() if base is not None else [])
-        offset = self.ring.place(size, keep)
+        offset = self._place(size, keep)
         if offset is None and base is not None:  # no room beside the old image's bytes: copy every cell
             base, shared, size = None, 0, Snapshot.region_bytes(state)
-            offset = self.ring.place(size, keep[:1])
+            offset = self._place(size, keep[:1])
         if offset is None:
             return False
         new = (offset, size)
@@ -604,6 +605,19 @@ class ParkingLot:
         if self.disk is not None:
             self.disk.write(snap, self._covers)  # in the background, once its copies are done
         return True
+
+    def _place(self, size: int, keep: list[tuple[int, int]]) -> int | None:
+        """A ring offset for `size` bytes away from `keep`, and away from the older regions that parked images
+        extending others still read (their bases'), so that writing over an old base does not evict a recent image
+        before the images parked between them: the ring's head skips those regions while it can. The least
+        recently parked image's bases are not kept (it is the next to go anyway); without room otherwise, the
+        head writes over bases too (the images on them are evicted)."""
+        chained = [s for s in list(self._snapshots.values())[1:] if s.base is not None]
+        if chained:
+            offset = self.ring.place(size, keep + [r for s in chained for r in s.base.regions()])
+            if offset is not None:
+                return offset
+        return self.ring.place(size, keep)
 
     def _base(self, state: SessionState) -> tuple[Snapshot | None, int]:
         """The image `state` was restored from, when its ring bytes are intact and its chain of bases is short
