@@ -548,8 +548,9 @@ class Slots:
     def _keep_checkpoints(self, sw: SlotWindow) -> None:
         """Behind the window's layers: host copies of the GDN states of the slots whose chunk ended at a
         checkpoint."""
+        summed = self.engine.parking.budget > 0  # only a parked conversation's restore checks the sums
         for i in sw.checkpoints:
-            self.slots[i].state.checkpoint()
+            self.slots[i].state.checkpoint(summed)
 
     def _share(self, sw: SlotWindow) -> None:
         """Queue, behind the window's layers, the copy of each leader's state (its prompt just read) into the slots

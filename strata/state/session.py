@@ -162,13 +162,16 @@ class SessionState:
         return set(self.checkpoints) if self.conv else set(range(self.length))
 
     @torch.inference_mode()
-    def checkpoint(self) -> None:
+    def checkpoint(self, summed: bool = True) -> None:
         """Keep host copies of the GDN states as they are now, after `length` positions (queued behind the windows
-        in flight on a GPU: the state is the one their last row leaves)."""
+        in flight on a GPU: the state is the one their last row leaves). `summed`: with the `checksum` of the device
+        states, which a restore of a parked conversation from this checkpoint checks (two small kernels a GDN
+        layer: not taken when nothing can be parked)."""
         if not self.conv:
             return
         kept, devices = Checkpoint(), set()
-        kept.sum = checksum(t for i in self.conv for t in (self.conv[i], self.recurrent[i]))  # queued, not waited for
+        if summed:  # queued, not waited for
+            kept.sum = checksum(t for i in self.conv for t in (self.conv[i], self.recurrent[i]))
         for i in self.conv:
             kept[i] = tuple(_host_copy(t) for t in (self.conv[i], self.recurrent[i]))
             devices.add(self.conv[i].device)
