@@ -122,7 +122,18 @@ def engine_flags(args) -> list[str]:
         flags += ["--park-vram-gb", str(args.park_vram_gb)]
     if getattr(args, "quantization", None):
         flags += ["--quantization", args.quantization]
+    if getattr(args, "expert_budget_gb", None):
+        flags += ["--expert-budget-gb", args.expert_budget_gb]
+    if getattr(args, "cpu_threads", None):
+        flags += ["--cpu-threads", str(args.cpu_threads)]
     return flags
+
+
+def expert_options(args) -> dict:
+    """--expert-budget-gb and --cpu-threads as `Engine` takes them (the server gets them as flags)."""
+    budget = getattr(args, "expert_budget_gb", None)
+    return dict(expert_budget_gb=[float(v) for v in budget.split(",")] if budget else None,
+                cpu_threads=getattr(args, "cpu_threads", None))
 
 
 class ServerProcess:
@@ -583,7 +594,7 @@ def measure_engine(model: str, args, vocab: int, wave_prompts: dict[int, list[li
     from strata.runtime.warmup import warm_up
 
     engine = Engine(open_model(model, args), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
-                    max_window_tokens=args.max_window_tokens)
+                    max_window_tokens=args.max_window_tokens, **expert_options(args))
     scheduler = Scheduler(engine, args.batch, lambda line: None)
     warm_up(scheduler.slots)
     admitting = timed(scheduler, "_admit_waiting")  # where a wave's admissions spend their time (parking, reuse)
@@ -657,7 +668,7 @@ def alternate(model: str, args, vocab: int) -> None:
         server.stop()
     engine = Engine(open_model(model, args), device=args.device, dtype=torch_dtype(args), max_cells=args.max_cells,
                     max_window_tokens=args.max_window_tokens, checkpoint_every=0,  # the CLI's parking settings
-                    park_vram_gb=args.park_vram_gb)
+                    park_vram_gb=args.park_vram_gb, **expert_options(args))
     scheduler = Scheduler(engine, 1, lambda line: None)
     warm_up(scheduler.slots)
     driver = InProcess(scheduler, args.device)
@@ -689,7 +700,8 @@ def print_report(r: dict) -> None:
     print()
     print(f"== strata serve vs the in-process engine: {c['model']} ({c['layers']} layers) on {c['device']}, "
           f"{c['dtype']}, batch {c['batch']}, max_cells {c['max_cells']}, {c['prompt_len']}-token prompts, "
-          f"{c['tokens']} tokens each")
+          f"{c['tokens']} tokens each" + (f", --expert-budget-gb {c['expert_budget_gb']}" if c.get("expert_budget_gb")
+                                          else ""))
     load = r["load_average"]
     print(f"start-up (process start to /health 200): {r['startup_s']:.1f} s")
     print(f"the machine's 1-minute load average: {load['start']:.2f} at the start, {load['after_server']:.2f} after "
@@ -771,6 +783,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="also write every figure to this file")
     p.add_argument("--park-vram-gb", type=float, default=0.0, help="the engines' --park-vram-gb (copies of parked "
                    "conversations in VRAM: --alternate's turns are restored from there)")
+    p.add_argument("--expert-budget-gb", help="the engines' --expert-budget-gb (GB of routed experts a stage keeps "
+                   "in VRAM; the CPU pool computes the rest), e.g. 10 for half the experts of 24 layers of the 30B shape")
+    p.add_argument("--cpu-threads", type=int, help="the engines' --cpu-threads (the CPU pool's threads)")
     p.add_argument("--alternate", metavar="TOKENS[,TURNS]",
                    help="instead of the waves: two conversations of TOKENS tokens take turns on a one-slot server "
                         "(each turn parks the other; TURNS turns each, default 3, adding 16 tokens a turn): every "

@@ -23,6 +23,7 @@ from serve.metrics import Metrics
 from serve.requests import Limits
 from serve.routes import BODY_MODELS, REF_TEMPLATE, Service, add_openai_routes
 from serve.shutdown import Drain
+from strata.errors import StrataError
 from strata.model.loader import ModelFiles
 
 log = logging.getLogger("strata.serve")
@@ -54,6 +55,11 @@ def served_name(settings: ServeSettings, files: ModelFiles) -> str:
 def create_app(settings: ServeSettings) -> FastAPI:
     # config and tokenizer only (the engine process loads the weights); a --quantization it cannot apply fails here
     files = ModelFiles.open(settings.model, settings.quantization)
+    if files.tokenizer is None:
+        raise StrataError(f"{settings.model}: the model has no tokenizer (tokenizer.json and tokenizer_config.json "
+                          "in its folder, or the tokenizer in a GGUF file's metadata); the server turns text into "
+                          "tokens and back, so copy those files from the model's repository, or run `strata "
+                          "generate --prompt-ids` instead")
     name = served_name(settings, files)
     max_cells = min(settings.max_cells, files.spec.max_positions)
     metrics = Metrics(name, max_cells, settings.batch)

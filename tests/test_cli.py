@@ -77,6 +77,12 @@ def test_missing_model(tmp_path):
     _fails(strata("generate", "--model", str(tmp_path / "nope"), "--prompt", "x"), "nope", "no such file")
 
 
+def test_serve_refuses_a_model_without_a_tokenizer(tiny):
+    assert not (tiny / "tokenizer.json").exists()  # the tiny checkpoint: config and weights only
+    _fails(strata("serve", "--model", str(tiny)), str(tiny), "has no tokenizer", "tokenizer.json",
+           "--prompt-ids")
+
+
 def test_truncated_safetensors(tiny, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
