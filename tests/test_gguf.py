@@ -15,6 +15,7 @@ from strata.errors import CheckpointError
 from strata.model.gguf import GGUFCheckpoint
 from strata.model.loader import ModelFiles
 from strata.model.weights import mtp_tensors
+from strata.quant.packed import PackedWeight, dequantize
 from strata.runtime.generate import Engine
 from tests.tiny_models import add_mtp_layer, build
 
@@ -235,8 +236,9 @@ def test_unknown_architecture(tmp_path):
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # written as Q8_0 (rows of 64 or 32 values); the twin holds their dequantized values, so both runs use the same weights
-QUANTIZED = ("embed_tokens.weight", "layers.0.linear_attn.in_proj_qkvz.weight",
+QUANTIZED = ("embed_tokens.weight", "layers.0.linear_attn.in_proj_qkvz.weight", "layers.0.linear_attn.in_proj_ba.weight",
              "layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.in_proj_z.weight",
+             "layers.0.linear_attn.in_proj_b.weight", "layers.0.linear_attn.in_proj_a.weight",
              "layers.1.mlp.experts.down_proj")
 HYBRID_GGUF = {"qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}
 PROMPT = [5, 17, 33, 2, 99, 7, 64, 1, 3, 120, 42, 8]
@@ -363,7 +365,8 @@ def write_hybrid_gguf(path: Path, arch: gguf.MODEL_ARCH, cfg: dict, tensors: dic
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    quantized = {"token_embd.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.1.ffn_down_exps.weight"}
+    quantized = {"token_embd.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight",
+                 "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.1.ffn_down_exps.weight"}
     for name, array in tensors.items():
         if name in quantized:
             writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
@@ -499,6 +502,32 @@ def test_hybrid_gguf_undoes_the_converter(hybrid_pair):
     else:
         z = torch.from_numpy(tensors["blk.2.attn_gate.weight"])
         assert torch.equal(ckpt.load(f"{p}in_proj_z.weight")[12:24], z[24:36])
+
+
+def test_hybrid_gguf_projections_stay_packed_where_the_converter_only_moved_rows(hybrid_pair):
+    """Layer 0's Gated DeltaNet projections are Q8_0 in the file, split and regrouped by the converter (Qwen3-Next's
+    qkvz from attn_qkv and attn_gate; Qwen3.5's value rows tiled): they stay packed, the stored rows put back in
+    transformers' order, the same values as read dequantized; the fused in_proj a stage loads for the Triton kernels
+    is packed. What changes values (norms stored as 1 + w) or moves columns (Qwen3.5's out_proj) is read
+    dequantized."""
+    _, path, _, _, _ = hybrid_pair
+    ckpt = GGUFCheckpoint(path)
+    qwen35 = ckpt.arch == "qwen35moe"
+    p = "model.layers.0.linear_attn."
+    for name in [f"{p}in_proj_{n}.weight" for n in (("qkv", "z", "b", "a") if qwen35 else ("qkvz", "ba"))]:
+        assert ckpt.packed_format(name) == "q8_0", name
+        packed = ckpt.load_packed(name, torch.float32)
+        assert tuple(packed.shape) == ckpt.shape(name), name
+        assert torch.equal(dequantize(packed), ckpt.load(name)), name
+    assert GGUFCheckpoint._row_order(ckpt._source("model.layers.0.post_attention_layernorm.weight")) is None
+    if qwen35:
+        assert GGUFCheckpoint._row_order(ckpt._source(f"{p}out_proj.weight")) is None
+    files = ModelFiles.open(path)
+    cpu = torch.device("cpu")
+    packed, plain = files.load(cpu, torch.float32, packed=True), files.load(cpu, torch.float32)
+    in_proj = packed.layers[0]["in_proj"]
+    assert isinstance(in_proj, PackedWeight) and in_proj.fmt == "q8_0"
+    assert torch.equal(dequantize(in_proj), plain.layers[0]["in_proj"])
 
 
 def test_hybrid_gguf_missing_metadata_or_tensor(hybrid_pair, tmp_path):

@@ -24,6 +24,7 @@ from strata.model.loader import ModelFiles  # noqa: E402
 from strata.quant.gguf_blocks import quantize  # noqa: E402
 from strata.quant.packed import PackedWeight  # noqa: E402
 from strata.runtime.generate import Engine  # noqa: E402
+from tests.test_gguf import hybrid_pair  # noqa: E402, F401 (a fixture)
 from tests.test_quantization import write_fp8  # noqa: E402
 from tests.tiny_models import VOCAB, build  # noqa: E402
 
@@ -433,6 +434,23 @@ def test_fp8_packed_is_bitwise_the_dequantized_engine(fp8_engines):
         facts = read_model(folder, bytes_per_param=4, packed=kept)
         counted = sum(facts.dense_bytes) + sum(facts.expert_bytes) + facts.embed_bytes + facts.head_bytes
         assert counted == engine.weights.nbytes() + (facts.embed_bytes if facts.tie_embeddings else 0), kept
+
+
+def test_a_hybrid_gguf_keeps_its_gated_deltanet_projections_packed(hybrid_pair):
+    """Qwen3-Next / Qwen3.5 GGUF files whose layer-0 Gated DeltaNet projections are Q8_0, stored split and regrouped
+    by llama.cpp's converter (`tests.test_gguf`): the engine keeps that layer's fused in_proj packed and gives the
+    logits of the same engine with dequantize_weights, bit for bit (Q8_0 tiles dequantize exactly in float32)."""
+    _, path, _, _, _ = hybrid_pair
+    (packed, log), (plain, _) = make_engine(path, kernels="triton"), make_engine(path, kernels="triton",
+                                                                                dequantize_weights=True)
+    in_proj = packed.weights.layers[0]["in_proj"]
+    assert isinstance(in_proj, PackedWeight) and in_proj.fmt == "q8_0"
+    assert isinstance(plain.weights.layers[0]["in_proj"], torch.Tensor)
+    kept = 3 if path.name == "qwen3_next.gguf" else 5  # qkvz, ba (qkv, z, b, a) and layer 1's experts' down
+    assert any(line.startswith(f"weights kept quantized on the device: {kept} Q8_0;") for line in log), log
+    tokens = [3, 4]
+    got, want = decode(packed, tokens), decode(plain, tokens)
+    assert got.abs().max() > 0 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("gguf_model", ["qwen3moe"], indirect=True)

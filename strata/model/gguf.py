@@ -35,7 +35,7 @@ from strata.model import gguf_hybrid as hybrid
 from strata.model.tokenizer import Tokenizer as StrataTokenizer
 from strata.quant.gguf_blocks import SUPPORTED as SUPPORTED_BLOCKS
 from strata.quant.gguf_blocks import from_gguf
-from strata.quant.packed import PackedWeight
+from strata.quant.packed import PackedWeight, cat as packed_cat
 
 # GGUF architecture -> (transformers model_type, architectures entry); the hybrid ones: `strata.model.gguf_hybrid`
 _ARCHS = {
@@ -423,26 +423,45 @@ class GGUFCheckpoint:
         if self.packed_format(name) is None:
             return None
         source = self._source(name)
-        info = source.parts[0]
-        rows = None
-        if source.undo is not None:
-            order = np.arange(info.shape[0])[:, None]
-            rows = torch.from_numpy(np.ascontiguousarray(source.undo(order)[:, 0]))
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        weight = from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape, dtype)
+        parts = []
+        for info in source.parts:
+            raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+            parts.append(from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape,
+                                   dtype))
+        weight = packed_cat(parts) if len(parts) > 1 else parts[0]
+        rows = self._row_order(source) if source.undo is not None else None
         return weight.rows(rows) if rows is not None else weight
 
     def packed_format(self, name: str) -> str | None:
-        """The packed format (`strata.quant.packed`) `load_packed` keeps the tensor in, or None: one GGUF tensor of a
-        type with a packed form, 2-D or 3-D, stored as transformers reads it or with its rows reordered (Llama's
-        q/k)."""
+        """The packed format (`strata.quant.packed`) `load_packed` keeps the tensor in, or None: GGUF tensors of one
+        type with a packed form, 2-D or 3-D, stored as transformers reads them or with whole rows moved (Llama's q/k
+        rows per head, the hybrid families' Gated DeltaNet projections regrouped; parts of one tensor stacked)."""
         source = self._source(name)
         info = source.parts[0]
-        if len(source.parts) != 1 or info.qtype not in SUPPORTED_BLOCKS or len(info.shape) not in (2, 3):
+        if info.qtype not in SUPPORTED_BLOCKS or len(info.shape) not in (2, 3) or any(
+                p.qtype != info.qtype or p.shape[1:] != info.shape[1:] for p in source.parts):
             return None
-        if source.undo is not None and (self.arch not in _PERMUTED_QK or len(info.shape) != 2):
-            return None  # a conversion other than a row order: read dequantized
+        if source.undo is not None and (len(info.shape) != 2 or self._row_order(source) is None):
+            return None  # a conversion other than a row order (values, columns): read dequantized
         return SUPPORTED_BLOCKS[info.qtype]
+
+    @staticmethod
+    def _row_order(source: _Source) -> torch.Tensor | None:
+        """When undoing the converter only moves whole rows (of the parts' rows, stacked in order), which stored row
+        each transformers row is; None when it changes values or moves columns. Found by undoing row numbers: two
+        equal columns of them must come out as a permutation, still equal."""
+        start, numbers = 0, []
+        for info in source.parts:
+            numbers.append(np.repeat(np.arange(start, start + info.shape[0])[:, None], 2, axis=1))
+            start += info.shape[0]
+        try:
+            out = np.asarray(source.undo(*numbers))
+        except (ValueError, IndexError):  # a reshape that only columns of the real width fit
+            return None
+        if out.shape != (start, 2) or not np.array_equal(out[:, 0], out[:, 1]) or \
+                not np.array_equal(np.sort(out[:, 0]), np.arange(start)):
+            return None
+        return torch.from_numpy(np.ascontiguousarray(out[:, 0]).astype(np.int64))
 
     def qtype_name(self, name: str) -> str:
         """The GGUF type the tensor is stored in (e.g. 'Q4_K'), for the load's summary."""
