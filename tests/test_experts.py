@@ -534,6 +534,13 @@ def test_the_pool_kernel_runs_a_window_in_one_call_as_its_products_and_sums_woul
                     want[r] = want[r] + y[q]
         assert want[2].abs().sum() == 0 and want.abs().sum() > 0
         assert torch.equal(out, want)
+        try:  # units handed out as threads come free (STRATA_POOL_SCHEDULE=dynamic): the same bits
+            assert native.set_schedule("dynamic")
+            again, _, _ = native.pool_window(x, weights, ids.to(id_dtype), index, lo, len(here), counts.zero_(),
+                                             gate_up, down, 2)
+        finally:
+            native.set_schedule("static")
+        assert torch.equal(again, want)
     with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
         native.pool_window(x, weights, torch.full((rows, k), n), index, lo, len(here), counts, gate_up, down, 2)
 

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -87,6 +88,21 @@ static const q8_fn Q8_FN[9] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8
    in float32; one tdpbf16ps covers 16 rows, so a window's rows cost no more weight reads than one. Each output is
    still summed in one fixed order whatever the rows beside it (its own A row and B column), but not in the
    AVX-512 path's order: a process uses one path throughout. */
+/* The work-sharing loops' schedule (`pool_schedule`): static shares (each thread its fixed part) or dynamic ones
+   (units handed out as threads come free: a thread the OS preempted, beside the engine's own threads, delays no
+   other). Results do not depend on it: every unit writes its own outputs in its own fixed order. */
+static int sched_dynamic = 0, sched_chunk = 1;
+
+int pool_schedule(int dynamic, int chunk) {
+    sched_dynamic = dynamic != 0;
+    sched_chunk = chunk > 0 ? chunk : 1;
+    return 0;
+}
+
+static void set_schedule(void) {
+    omp_set_schedule(sched_dynamic ? omp_sched_dynamic : omp_sched_static, sched_dynamic ? sched_chunk : 0);
+}
+
 static int use_amx = 0, amx_pf = 256;  /* amx_pf: weights prefetched this many columns ahead (0: none) */
 
 /* Turns the AMX products on (asking Linux for the tile state first: -1 if refused) or off; `prefetch`: amx_pf. */
@@ -159,7 +175,7 @@ static void amx_rows(const uint32_t *xv, int R, const uint16_t *w, int K, float 
 static void amx_products(int E, const int *group, const int *start, const int *count, const uint16_t *src, int K,
                          uint32_t *xv, const int64_t *w, int N, float *y) {
     int nb = (N + BLOCK - 1) / BLOCK;
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(runtime)
     for (int u = 0; u < E * 16; u++) {  /* expert, sixteenth of the pairs */
         int e = u / 16, c = u % 16;
         for (int g = group[e]; g < group[e + 1]; g++) {
@@ -167,7 +183,7 @@ static void amx_products(int E, const int *group, const int *start, const int *c
             amx_pairs(src + (size_t)(start[e] + r0) * K, K, R16, xv + (size_t)g * K * 8, c * K / 32, (c + 1) * K / 32);
         }
     }
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(runtime)
     for (int u = 0; u < E * nb; u++) {
         int e = u / nb, b = u % nb, n1 = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
         for (int g = group[e]; g < group[e + 1]; g++) {
@@ -198,17 +214,18 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         group[E] = G;
         xv = malloc((size_t)G * (H > I ? H : I) * 32);  /* K / 2 pairs x 16 rows x 4 bytes a group */
     }
+    set_schedule();  /* inherited by the region's threads from this one */
     #pragma omp parallel num_threads(threads)
     {
         if (amx) amx_configure();
         if (gather) {
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(runtime)
             for (int p = 0; p < P; p++) __builtin_memcpy(xg + (size_t)p * H, x + (size_t)gather[p] * H, 2 * (size_t)H);
         }
         if (amx)
             amx_products(E, group, start, count, rows, H, xv, gate_up, 2 * I, h);
         else
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb1; u++) {
             int e = u / nb1, b = u % nb1, n1 = (b + 1) * BLOCK < 2 * I ? (b + 1) * BLOCK : 2 * I;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
@@ -221,7 +238,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                                 h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
             }
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(runtime)
         for (int p = 0; p < P; p++) {
             float *hp = h + (size_t)p * 2 * I;
             for (int i = 0; i < I; i++) {
@@ -234,7 +251,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         if (amx)
             amx_products(E, group, start, count, a, I, xv, down, H, out);
         else
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(runtime)
         for (int u = 0; u < E * nb2; u++) {
             int e = u / nb2, b = u % nb2, n1 = (b + 1) * BLOCK < H ? (b + 1) * BLOCK : H;
             for (int r0 = 0; r0 < count[e]; r0 += 8) {
@@ -249,7 +266,7 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         }
         if (sum) {
             int nbs = (H + SUM_BLOCK - 1) / SUM_BLOCK;
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(runtime)
             for (int u = 0; u < R * nbs; u++) {
                 int r = u / nbs, h0 = u % nbs * SUM_BLOCK, h1 = h0 + SUM_BLOCK < H ? h0 + SUM_BLOCK : H;
                 float *dst = sum + (size_t)r * H;

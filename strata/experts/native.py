@@ -32,6 +32,9 @@ import torch
 log = logging.getLogger("strata.engine")
 SOURCE = Path(__file__).resolve().parent / "experts_bf16.c"
 ALIGN = 32  # the kernel's dot products take 32 bf16 at a time: H and I multiples of it
+# STRATA_POOL_SCHEDULE: how the kernel's loops share their units among its threads (the same results either way):
+# static (fixed shares, the default) or dynamic (handed out one unit at a time as threads come free)
+SCHEDULES = {"static": (0, 0), "dynamic": (1, 1)}
 
 
 def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -62,6 +65,18 @@ def use_amx(on: bool, prefetch: int = 256) -> bool:
     if lib is None or (on and not amx_available()):
         return False
     return lib.amx_use(int(on), prefetch) == 0
+
+
+def set_schedule(name: str) -> bool:
+    """Shares the kernel's loops among its threads `name`'s way (SCHEDULES) from now on in this process; False
+    without the kernel. STRATA_POOL_SCHEDULE sets it when the kernel loads."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
+    lib = load()
+    if lib is None:
+        return False
+    lib.pool_schedule(*SCHEDULES[name])
+    return True
 
 
 # no fused multiply-adds the source does not write: the weighted sums round each product as torch's ops would
@@ -112,6 +127,12 @@ def load() -> ctypes.CDLL | None:
                 log.warning("the CPU expert pool uses oneDNN's products: its own kernel could not be built: %s", problem)
                 return None
     lib = ctypes.CDLL(str(lib))
+    schedule = os.environ.get("STRATA_POOL_SCHEDULE", "static")
+    if schedule not in SCHEDULES:
+        log.warning("STRATA_POOL_SCHEDULE=%s: expected one of %s; the CPU expert pool keeps static shares", schedule,
+                    ", ".join(SCHEDULES))
+    else:
+        lib.pool_schedule(*SCHEDULES[schedule])
     if os.environ.get("STRATA_POOL_AMX") == "1" and amx_available():
         if lib.amx_use(1, int(os.environ.get("STRATA_POOL_AMX_PREFETCH", "256"))) == 0:
             log.info("the CPU expert pool's bf16 products run on AMX tiles")
