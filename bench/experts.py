@@ -80,6 +80,7 @@ def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) ->
     """Decode `tokens` tokens for `rows` conversations (prompts read, and `settle` windows run with hot residency's
     refreshes, before the clock starts): tok/s, and per window the CPU pools' host seconds and the bytes of the
     experts they read, and the share of the pooled layers' pairs computed on the device."""
+    from strata.experts import native
     from strata.experts.hotness import REFRESH_WINDOWS
 
     pools = [p for stage in engine.stages for p in stage.forward.pools.values()]
@@ -95,6 +96,7 @@ def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) ->
             engine.refresh_experts()  # as the scheduler does (a fixed engine: nothing)
     sync(engine.device)
     before = [(p.busy_s, p.experts_read) for p in pools]
+    phases = sum((p.phase_s.clone() for p in pools), torch.zeros(len(native.PHASES), dtype=torch.float64))
     uploads = [p.experts_uploaded for p in pools]
     pairs = [(p.pairs_here, p.pairs_total) for p in pools]
     waited = sum(p.wait_s for p in pools)
@@ -111,7 +113,9 @@ def measure(engine, rows: int, tokens: int, prompt_len: int, settle: int = 0) ->
     up = sum((p.experts_uploaded - n) * p.upload_expert_bytes for p, n in zip(pools, uploads))
     here = sum(p.pairs_here - a for p, (a, _) in zip(pools, pairs))
     total = sum(p.pairs_total - b for p, (_, b) in zip(pools, pairs))
+    phases = sum((p.phase_s for p in pools), torch.zeros_like(phases)) - phases
     return {"tps": produced / elapsed, "window_s": elapsed / windows[0], "pool_s": busy / windows[0],
+            "phases_s": (phases / windows[0]).tolist(),
             "hit": 1 - here / total if total else 1.0,
             "pool_bytes": read / windows[0], "upload_bytes": up / windows[0], "wait_s": (sum(p.wait_s for p in pools) - waited) / windows[0]}
 
@@ -296,6 +300,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{share:>8.0%} {frac:>4.2g} {rows:>4} {m['tps']:>8.1f} {roof:>8.1f} {m['tps'] / roof:>6.0%} "
                   f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
                   f"{pool_rate:>9.1f} {m['upload_bytes'] / 1e6:>6.1f} {m['hit']:>9.1%}", flush=True)
+            if any(m["phases_s"]):
+                from strata.experts import native
+  # the pool's own kernel: where its time went, per window over all layers
+                print(f"{'':>19}pool kernel ms a window: " + ", ".join(
+                    f"{name} {t * 1e3:.2f}" for name, t in zip(native.PHASES, m["phases_s"])), flush=True)
         del engine
         torch.cuda.empty_cache()
 

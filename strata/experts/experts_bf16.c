@@ -198,11 +198,13 @@ static void amx_products(int E, const int *group, const int *start, const int *c
    x[gather[start[e]]], ...; its gate_up bf16 [2I][H] at address gate_up[e], its down bf16 [H][I] at down[e].
    Scratch xg bf16 [P][H] (with gather), h float32 [P][2I], a bf16 [P][I]; out float32 [P][H]. With `sum` (R rows):
    sum[r] = the weighted outputs of row r's pairs, pw[q] * out[q] for q = pairs[first[r]] .. pairs[first[r + 1] - 1]
-   added in that order (zeros for a row with none). */
+   added in that order (zeros for a row with none). With `phases` (4 entries), seconds added: [0] from
+   the region's start until its last thread came in (the threads' wake-up), [1] the gather and gate_up products,
+   [2] silu and the down products, [3] the sums. */
 static void experts_run(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
                         const uint16_t *x, const int *gather, uint16_t *xg, float *h, uint16_t *a, float *out,
                         int H, int I, int threads, int q8, size_t rb1, size_t rb2,
-                        int R, const int *first, const int *pairs, const float *pw, float *sum) {
+                        int R, const int *first, const int *pairs, const float *pw, float *sum, double *phases) {
     int nb1 = (2 * I + BLOCK - 1) / BLOCK, nb2 = (H + BLOCK - 1) / BLOCK, P = start[E - 1] + count[E - 1];
     const uint16_t *rows = gather ? xg : x;
     int amx = use_amx && !q8, G = 0;  /* AMX: each expert's rows in groups of 16, each group's pairs in xv1 / xv2 */
@@ -215,8 +217,14 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         xv = malloc((size_t)G * (H > I ? H : I) * 32);  /* K / 2 pairs x 16 rows x 4 bytes a group */
     }
     set_schedule();  /* inherited by the region's threads from this one */
+    double t0 = phases ? omp_get_wtime() : 0.0, came = t0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
     #pragma omp parallel num_threads(threads)
     {
+        if (phases) {
+            double in = omp_get_wtime();
+            #pragma omp critical(strata_pool_phases)
+            came = in > came ? in : came;
+        }
         if (amx) amx_configure();
         if (gather) {
             #pragma omp for schedule(runtime)
@@ -238,6 +246,8 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                                 h + (size_t)(start[e] + r0) * 2 * I, H, 2 * I, b * BLOCK, n1);
             }
         }
+        #pragma omp master
+        t1 = phases ? omp_get_wtime() : 0.0;  /* after the products' loop and its barrier */
         #pragma omp for schedule(runtime)
         for (int p = 0; p < P; p++) {
             float *hp = h + (size_t)p * 2 * I;
@@ -264,6 +274,8 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
                                 out + (size_t)(start[e] + r0) * H, I, H, b * BLOCK, n1);
             }
         }
+        #pragma omp master
+        t2 = phases ? omp_get_wtime() : 0.0;
         if (sum) {
             int nbs = (H + SUM_BLOCK - 1) / SUM_BLOCK;
             #pragma omp for schedule(runtime)
@@ -286,18 +298,22 @@ static void experts_run(int E, const int64_t *gate_up, const int64_t *down, cons
         }
         if (amx) _tile_release();
     }
+    if (phases) {
+        t3 = omp_get_wtime();
+        phases[0] += came - t0; phases[1] += t1 - came; phases[2] += t2 - t1; phases[3] += t3 - t2;
+    }
     free(group); free(xv);
 }
 
 void experts_bf16(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
                   const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads) {
-    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 0, 0, 0, 0, 0, 0, 0, 0);
+    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
 /* `experts_bf16` over q8_0 records: gate_up[e] [2I] rows of rb1 bytes (K = H), down[e] [H] rows of rb2 (K = I). */
 void experts_q8_0(int E, const int64_t *gate_up, const int64_t *down, const int *start, const int *count,
                   const uint16_t *x, float *h, uint16_t *a, float *out, int H, int I, int threads, int rb1, int rb2) {
-    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 1, rb1, rb2, 0, 0, 0, 0, 0);
+    experts_run(E, gate_up, down, start, count, x, 0, 0, h, a, out, H, I, threads, 1, rb1, rb2, 0, 0, 0, 0, 0, 0);
 }
 
 /* One window of a pool (`strata.experts.pool.ExpertPool`) in one call: the R x k routed pairs (global expert ids
@@ -305,11 +321,13 @@ void experts_q8_0(int E, const int64_t *gate_up, const int64_t *down, const int 
    pairs whose host slot (index[id], N entries) lies in [lo, hi) grouped by slot, ascending, each slot's pairs in
    row order; their experts run (slot s's weights at gate_up_base + (s - lo) * gate_up_stride bytes, down alike;
    q8: records of rb1 / rb2 bytes a row); and sum[r] [H] float32 = row r's weighted outputs added in slot order.
-   stats[0] += the pairs computed, stats[1] += the experts read. Returns 0, or -1 for an id outside [0, N). */
+   stats[0] += the pairs computed, stats[1] += the experts read; phases[0] += the seconds of this bookkeeping before
+   the products, phases[1 ..] as experts_run's. Returns 0, or -1 for an id outside [0, N). */
 int pool_window(int R, int k, const void *ids, int ids64, const void *wts, int wts_bf16, const int64_t *index,
                 int N, int64_t lo, int64_t hi, double *counts, int64_t gate_up_base, int64_t gate_up_stride,
                 int64_t down_base, int64_t down_stride, const uint16_t *x, float *sum, int H, int I, int threads,
-                int q8, int rb1, int rb2, int64_t *stats) {
+                int q8, int rb1, int rb2, int64_t *stats, double *phases) {
+    double t0 = omp_get_wtime();
     int n = R * k, P = 0, E = 0, nslot = (int)(hi - lo);
     int *slot = malloc(sizeof(int) * (size_t)(n + 1)), *at = calloc((size_t)nslot + 1, sizeof(int));
     for (int p = 0; p < n; p++) {
@@ -355,8 +373,9 @@ int pool_window(int R, int k, const void *ids, int ids64, const void *wts, int w
     for (int q = 0; q < P; q++) pairs[fill[gather[q]]++] = q;  /* each row's pairs in slot order */
     uint16_t *xg = malloc(2 * (size_t)P * H), *a = malloc(2 * (size_t)P * I);
     float *h = malloc(4 * (size_t)P * 2 * I), *out = malloc(4 * (size_t)P * H);
+    phases[0] += omp_get_wtime() - t0;
     experts_run(E, gu, dn, start, count, x, gather, xg, h, a, out, H, I, threads, q8, (size_t)rb1, (size_t)rb2,
-                R, first, pairs, pw, sum);
+                R, first, pairs, pw, sum, phases + 1);
     stats[0] += P;
     stats[1] += E;
     free(slot); free(at); free(start); free(count); free(order); free(gu); free(dn); free(gather); free(first);

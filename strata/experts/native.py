@@ -35,6 +35,10 @@ ALIGN = 32  # the kernel's dot products take 32 bf16 at a time: H and I multiple
 # STRATA_POOL_SCHEDULE: how the kernel's loops share their units among its threads (the same results either way):
 # static (fixed shares, the default) or dynamic (handed out one unit at a time as threads come free)
 SCHEDULES = {"static": (0, 0), "dynamic": (1, 1)}
+# where a pool window's time goes in `pool_window`: the bookkeeping before the products (counting, grouping), the
+# threads' wake-up (the region's start until its last thread came in), the gather and gate_up products, silu and
+# the down products, the weighted sums
+PHASES = ("bookkeeping", "wake-up", "gate_up", "down", "sums")
 
 
 def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -177,13 +181,14 @@ def experts_bf16(x: torch.Tensor, counts: list[int], gate_up: list[torch.Tensor]
 
 
 def pool_window(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, lo: int, hi: int,
-                counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, threads: int) -> tuple[torch.Tensor, int, int]:
+                counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, threads: int,
+                phases: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """One window of a pool in one call (`pool_window` in experts_bf16.c): x [R, H] bf16 and each row's k routing
     weights and global expert ids [R, k] on the host; `index` [N] int64 global id -> host slot, of which slots
     [lo, hi) are the kernel's: their experts `gate_up` [hi - lo, 2I, H] and `down` [hi - lo, H, I] (bf16, or q8_0
     records [.., rows, record bytes] uint8), contiguous. Adds each id's pairs to `counts` [N] float64. Returns each
     row's weighted sum of its pairs here [R, H] float32 (added in ascending slot order; zeros where none), the pairs
-    computed and the experts read."""
+    computed and the experts read. `phases` [5] float64, seconds added (PHASES: where a window's time goes)."""
     lib = load()
     r, k = ids.shape
     hidden = x.shape[1]
@@ -196,13 +201,15 @@ def pool_window(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, index
     q8 = gate_up.dtype == torch.uint8
     out = torch.empty(r, hidden)
     stats = torch.zeros(2, dtype=torch.int64)
+    if phases is None:
+        phases = torch.zeros(len(PHASES), dtype=torch.float64)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     step = lambda t: ctypes.c_int64(t.stride(0) * t.element_size())  # noqa: E731
     done = lib.pool_window(r, k, ptr(ids), ids.dtype == torch.int64, ptr(weights), weights.dtype == torch.bfloat16,
                            ptr(index), index.numel(), ctypes.c_int64(lo), ctypes.c_int64(hi), ptr(counts),
                            ctypes.c_int64(gate_up.data_ptr()), step(gate_up), ctypes.c_int64(down.data_ptr()),
                            step(down), ptr(x), ptr(out), hidden, width, threads, q8,
-                           gate_up.shape[-1] if q8 else 0, down.shape[-1] if q8 else 0, ptr(stats))
+                           gate_up.shape[-1] if q8 else 0, down.shape[-1] if q8 else 0, ptr(stats), ptr(phases))
     if done:
         raise ValueError(f"an expert id outside [0, {index.numel()}) among this window's routed ids")
     return out, int(stats[0]), int(stats[1])

@@ -187,6 +187,8 @@ class ExpertPool:
         self.pairs_total = 0  # pairs routed in this layer so far (device + uploaded + pool)
         self.experts_read = 0  # experts whose weights the pool read, summed over windows (bytes: x `expert_bytes`)
         self.busy_s = 0.0  # host seconds in `compute`
+        # of those, in the kernel's phases (`native.PHASES`; the pool's own kernel only)
+        self.phase_s = torch.zeros(len(native.PHASES), dtype=torch.float64)
         self.wait_s = 0.0  # host seconds waiting for a window's rows to arrive from the device
         self.counts = torch.zeros(num_experts, dtype=torch.float64)  # routed pairs per global id (`hotness`)
         self.swaps = 0  # experts swapped with the device's resident set so far (`hotness.refresh_layer`)
@@ -255,7 +257,8 @@ class ExpertPool:
         if self.native:  # the whole window in one call: its bookkeeping in torch's small ops cost about as much as
             # one row's products (about 30 ops of 5-10 us each on a 16-core host)
             out, pairs, experts = native.pool_window(x, weights, ids, self.index, self.num_upload, self.num_here,
-                                                     self.counts, self.gate_up, self.down, torch.get_num_threads())
+                                                     self.counts, self.gate_up, self.down, torch.get_num_threads(),
+                                                     self.phase_s)
             self.pairs_here += pairs
             self.experts_read += experts
             return out
