@@ -465,6 +465,8 @@ async def measure_server(server: ServerProcess, args, vocab: int, wave_prompts: 
     stream_tokens = min(STALL_STREAM_TOKENS, args.max_cells - PROMPT_LEN - 1)
     if num_streams < 1:
         print("  stall case skipped: --batch 1 leaves no slot beside a stream")
+    elif args.skip_stall:
+        print("  stall case skipped (--skip-stall)")
     else:
         out["stall"] = await stall_case(server, args, vocab, num_streams, stream_tokens)
     return out
@@ -786,6 +788,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-budget-gb", help="the engines' --expert-budget-gb (GB of routed experts a stage keeps "
                    "in VRAM; the CPU pool computes the rest), e.g. 10 for half the experts of 24 layers of the 30B shape")
     p.add_argument("--cpu-threads", type=int, help="the engines' --cpu-threads (the CPU pool's threads)")
+    p.add_argument("--skip-stall", action="store_true", help="leave out the stall case (streams of up to 1,024 "
+                   "tokens, then a long prompt): the waves and first requests only")
     p.add_argument("--alternate", metavar="TOKENS[,TURNS]",
                    help="instead of the waves: two conversations of TOKENS tokens take turns on a one-slot server "
                         "(each turn parks the other; TURNS turns each, default 3, adding 16 tokens a turn): every "
