@@ -23,10 +23,10 @@ from autoconfig.memory import (
     GIB, NoGpuFit, StagePlan, extras_bytes, gb, kv_per_position, link_factors, ram_capacity, split_layers,
     vram_capacity,
 )
+from strata.experts.threads import pool_threads
 
 DEFAULT_CONTEXT = 8192
 MAX_SLOTS = 256  # EngineSettings.batch's limit
-HOST_CORES = 2  # cores kept for the engine's host loop and the HTTP server
 # The CPU pool's products read host experts at about this share of the RAM read bandwidth measured by a plain sum,
 # inside the engine's decode windows (bench/experts.py, docs/PERFORMANCE.md): oneDNN's products 17-31 GB/s against
 # 90-104 measured (H200 host); the pool's own kernel, where the CPU has AVX512_BF16, 33-59 GB/s against 94 at one to
@@ -307,11 +307,11 @@ def _gpu_settings(model: ModelFacts, gpus: list[GpuFacts], cards: list[GpuFacts]
             f"({', '.join(gb(p.fixed_bytes) for p in stages)}) and state "
             f"({', '.join(gb(p.state_bytes) for p in stages)}); "
             f"{resident} {whose} stay resident, the other {gb(offloaded)} stay in RAM")
-        threads = max(host.cpu_cores - HOST_CORES, 1)
+        threads = pool_threads(host.cpu_cores)
         s["cpu_threads"] = threads
         why["cpu_threads"] = (f"{threads}: the CPU pool computes the rows whose experts are in RAM; the host's "
-                              f"{host.cpu_cores} cores less {host.cpu_cores - threads} for the engine's host loop and "
-                              "the server")
+                              f"{host.cpu_cores} cores less {host.cpu_cores - threads} for the engine's host loop, "
+                              "CUDA's threads and the server (a pool thread preempted by them holds up the window)")
         s["pcie_frac"], why["pcie_frac"] = _pcie_frac(cards, host)
     else:
         s["expert_budget_gb"] = None

@@ -16,6 +16,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.experts.residency import StageResidency, plan_residency
+from strata.experts.threads import pool_threads, usable_cores
 from strata.model.spec import ModelSpec
 
 log = logging.getLogger("strata.engine")
@@ -70,10 +71,12 @@ def check_expert_budget(spec: ModelSpec, plan: list[tuple[range, torch.device]],
 
 def set_pool_threads(cpu_threads: int | None, stages: list[StageResidency]) -> None:
     """`--cpu-threads`: torch's CPU threads, for the whole engine process, when a stage has a pool (on a GPU the
-    engine does no other CPU arithmetic); left alone otherwise."""
-    if cpu_threads is None:
-        return
-    if cpu_threads < 1:
+    engine does no other CPU arithmetic); left alone otherwise. Not given, with a pool beside a GPU:
+    `threads.pool_threads` of the cores this process may use (a few are left to the host loop, CUDA and the
+    server)."""
+    if cpu_threads is not None and cpu_threads < 1:
         raise StrataError(f"--cpu-threads {cpu_threads}: the CPU expert pool needs at least 1 thread")
-    if any(r.pooled for r in stages):
+    if cpu_threads is None and any(r.pooled and r.device.type == "cuda" for r in stages):
+        cpu_threads = pool_threads(usable_cores())
+    if cpu_threads is not None and any(r.pooled for r in stages):
         torch.set_num_threads(cpu_threads)

@@ -91,7 +91,7 @@ static const q8_fn Q8_FN[9] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8
 /* The work-sharing loops' schedule (`pool_schedule`): static shares (each thread its fixed part) or dynamic ones
    (units handed out as threads come free: a thread the OS preempted, beside the engine's own threads, delays no
    other). Results do not depend on it: every unit writes its own outputs in its own fixed order. */
-static int sched_dynamic = 0, sched_chunk = 1;
+static int sched_dynamic = 1, sched_chunk = 1;
 
 int pool_schedule(int dynamic, int chunk) {
     sched_dynamic = dynamic != 0;
