@@ -83,11 +83,6 @@ static const q8_fn Q8_FN[9] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8
                                q8_rows_8};
 
 
-/* AMX (where the CPU has it and Linux grants the tile state: `amx_enable`): a unit's 64 weight rows are four 16 x 32
-   A tiles read straight from the plain weights, the rows' pairs (xv, `amx_pairs`) the B tile, four C tiles summing
-   in float32; one tdpbf16ps covers 16 rows, so a window's rows cost no more weight reads than one. Each output is
-   still summed in one fixed order whatever the rows beside it (its own A row and B column), but not in the
-   AVX-512 path's order: a process uses one path throughout. */
 /* The work-sharing loops' schedule (`pool_schedule`): static shares (each thread its fixed part) or dynamic ones
    (units handed out as threads come free: a thread the OS preempted, beside the engine's own threads, delays no
    other). Results do not depend on it: every unit writes its own outputs in its own fixed order. */
@@ -103,6 +98,11 @@ static void set_schedule(void) {
     omp_set_schedule(sched_dynamic ? omp_sched_dynamic : omp_sched_static, sched_dynamic ? sched_chunk : 0);
 }
 
+/* AMX (where the CPU has it and Linux grants the tile state: `amx_enable`): a unit's 64 weight rows are four 16 x 32
+   A tiles read straight from the plain weights, the rows' pairs (xv, `amx_pairs`) the B tile, four C tiles summing
+   in float32; one tdpbf16ps covers 16 rows, so a window's rows cost no more weight reads than one. Each output is
+   still summed in one fixed order whatever the rows beside it (its own A row and B column), but not in the
+   AVX-512 path's order: a process uses one path throughout. */
 static int use_amx = 0, amx_pf = 256;  /* amx_pf: weights prefetched this many columns ahead (0: none) */
 
 /* Turns the AMX products on (asking Linux for the tile state first: -1 if refused) or off; `prefetch`: amx_pf. */
