@@ -3,6 +3,7 @@ imports of the kernels and helpers it calls, constants, function definitions) wi
 renamed or removed function fails here instead of on a leased GPU."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -38,3 +39,43 @@ def test_cpu_experts_bench_runs_and_its_kernel_is_right(capsys, monkeypatch):
     assert len(rows) == 2 * len(ways)
     for line in rows:
         assert float(line[5]) < 1e-2 and line[6] == "True", line
+
+
+def test_serve_bench_measures_a_pooled_engine_through_http_and_in_process(tmp_path, capsys, monkeypatch):
+    """bench/serve.py with --expert-budget-gb (issue 29 through the server): a tiny Qwen3-MoE checkpoint with half its
+    experts in host RAM, served by `strata serve` and run in process with the same settings; every stream answers,
+    both sides report tokens, and the server's engine ran with the pool."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from strata.experts.residency import expert_bytes
+    from strata.model.loader import ModelFiles
+    from tests.tiny_models import VOCAB, build
+
+    folder = tmp_path / "tiny-moe"
+    build("qwen3_moe-gqa4", folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{}")
+    spec = ModelFiles.open(folder).spec
+    half = (spec.num_layers * spec.moe.num_experts // 2 + 0.5) * expert_bytes(spec, 4) / 1e9
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    spec_ = importlib.util.spec_from_file_location("bench_serve_run", BENCH / "serve.py")
+    module = importlib.util.module_from_spec(spec_)
+    monkeypatch.setitem(sys.modules, spec_.name, module)  # its dataclasses look their module up
+    spec_.loader.exec_module(module)
+    report = tmp_path / "report.json"
+    module.main(["--model", str(folder), "--batch", "2", "--concurrency", "1,2", "--tokens", "8", "--max-cells", "256",
+                 "--skip-stall", "--expert-budget-gb", f"{half:.9f}", "--cpu-threads", "1", "--client-procs", "1",
+                 "--json", str(report)])
+    out = capsys.readouterr().out
+    figures = json.loads(report.read_text())
+    assert figures["config"]["expert_budget_gb"] == f"{half:.9f}"
+    for n in ("1", "2"):
+        served, local = figures["server"]["waves"][n], figures["engine"]["waves"][n]
+        assert served["errors"] == 0 and served["tok_s"] > 0 and local["tok_s"] > 0, (served, local)
+    log = Path(re.search(r"\(log: (\S+)\)", out)[1]).read_text()
+    assert f"{spec.moe.num_experts // 2} of {spec.moe.num_experts} routed experts resident" in log, log[-2000:]
+    assert "stall case skipped (--skip-stall)" in out
