@@ -303,7 +303,10 @@ def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
         if (name == f"{prefix}embed_tokens.weight" or name.startswith("mtp.")  # (the draft layer: plain)
                 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))):
             continue
-        if (f := ckpt.packed_format(name)) is not None:
+        f = ckpt.packed_format(name)
+        if f is None and hasattr(ckpt, "column_order"):  # kept packed in the file's column order (GGUF Qwen3.5)
+            f = (ckpt.column_order(name) or (None,))[0]
+        if f is not None:
             fmt[name] = f
     joined = {name: _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name)
               for name in ckpt.names() if _FUSED.search(name)}  # a part -> the weight it is joined into

@@ -331,9 +331,9 @@ def convert_like_llama_cpp(state: dict[str, torch.Tensor], cfg: dict, arch: gguf
 
 
 def write_hybrid_gguf(path: Path, arch: gguf.MODEL_ARCH, cfg: dict, tensors: dict[str, np.ndarray], *,
-                      mtp_layers: int = 0, skip_key: str | None = None) -> None:
+                      mtp_layers: int = 0, skip_key: str | None = None, also_quantized: tuple[str, ...] = ()) -> None:
     """The metadata llama.cpp's converter writes for Qwen3-Next / Qwen3.5-MoE, a byte-level vocabulary, and `tensors`
-    (those of QUANTIZED as Q8_0)."""
+    (those of QUANTIZED, and the GGUF tensors `also_quantized`, as Q8_0)."""
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     layer_types = cfg["layer_types"]
     values = {
@@ -366,7 +366,7 @@ def write_hybrid_gguf(path: Path, arch: gguf.MODEL_ARCH, cfg: dict, tensors: dic
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
     quantized = {"token_embd.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight",
-                 "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.1.ffn_down_exps.weight"}
+                 "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.1.ffn_down_exps.weight", *also_quantized}
     for name, array in tensors.items():
         if name in quantized:
             writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
@@ -520,8 +520,13 @@ def test_hybrid_gguf_projections_stay_packed_where_the_converter_only_moved_rows
         assert tuple(packed.shape) == ckpt.shape(name), name
         assert torch.equal(dequantize(packed), ckpt.load(name)), name
     assert GGUFCheckpoint._row_order(ckpt._source("model.layers.0.post_attention_layernorm.weight")) is None
-    if qwen35:
-        assert GGUFCheckpoint._row_order(ckpt._source(f"{p}out_proj.weight")) is None
+    if qwen35:  # its value heads' columns tiled: not a row order, a column order (kept packed where quantized)
+        out_proj = ckpt._source(f"{p}out_proj.weight")
+        assert GGUFCheckpoint._row_order(out_proj) is None
+        order = GGUFCheckpoint._column_order(out_proj)
+        assert sorted(order.tolist()) == list(range(48)) and order.tolist() != list(range(48))
+        stored = torch.from_numpy(ckpt._read(out_proj.parts[0]))
+        assert torch.equal(stored[:, order], ckpt.load(f"{p}out_proj.weight"))
     files = ModelFiles.open(path)
     cpu = torch.device("cpu")
     packed, plain = files.load(cpu, torch.float32, packed=True), files.load(cpu, torch.float32)

@@ -453,6 +453,40 @@ def test_a_hybrid_gguf_keeps_its_gated_deltanet_projections_packed(hybrid_pair):
     assert got.abs().max() > 0 and torch.equal(got, want)
 
 
+def test_a_qwen35_gguf_keeps_its_column_tiled_out_proj_packed(tmp_path):
+    """Qwen3.5's converter tiles the value heads of `out_proj`'s columns, which a packed row cannot take back: the
+    weight stays packed in the file's column order and the heads of its input are put in that order first
+    (`out_heads`); the engine's logits are those of the same engine with dequantize_weights to float32 rounding
+    (the product sums the columns in the file's order), on the prompt window and the decode windows, and its greedy
+    tokens the same. (Value heads of 16 so that out_proj's 64 columns are whole Q8_0 blocks.)"""
+    from tests.test_gguf import HYBRID_GGUF, convert_like_llama_cpp, write_hybrid_gguf
+
+    model = build("qwen3_5_moe", tmp_path / "hf", linear_value_head_dim=16)
+    cfg = model.config.get_text_config().to_dict()
+    state = {k: v for k, v in model.state_dict().items() if "visual" not in k}
+    tensors = convert_like_llama_cpp(state, cfg, HYBRID_GGUF["qwen3_5_moe"])
+    path = tmp_path / "qwen35.gguf"
+    write_hybrid_gguf(path, HYBRID_GGUF["qwen3_5_moe"], cfg, tensors, also_quantized=("blk.0.ssm_out.weight",))
+    (packed, _), (plain, _) = make_engine(path, kernels="triton"), make_engine(path, kernels="triton",
+                                                                              dequantize_weights=True)
+    layer = packed.weights.layers[0]
+    assert isinstance(layer["out"], PackedWeight) and layer["out"].fmt == "q8_0"
+    assert sorted(layer["out_heads"].tolist()) == [0, 1, 2, 3] and layer["out_heads"].tolist() != [0, 1, 2, 3]
+    assert isinstance(plain.weights.layers[0]["out"], torch.Tensor) and "out_heads" not in plain.weights.layers[0]
+    tokens = [3, 4]
+    got, want = decode(packed, tokens), decode(plain, tokens)
+    assert got.abs().max() > 0 and rel_err(got, want) < 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch_engine, _ = make_engine(path, kernels="torch")  # the torch path reads it dequantized, in order: the same
+    assert rel_err(decode(torch_engine, tokens), want) < 1e-5
+    from autoconfig.facts import read_model
+
+    facts = read_model(path, bytes_per_param=4, packed=True)  # autoconfig counts it at its packed size
+    counted = sum(facts.dense_bytes) + sum(facts.expert_bytes) + facts.embed_bytes + facts.head_bytes
+    heads = sum(layer["out_heads"].numel() * 8 for layer in packed.weights.layers.values() if "out_heads" in layer)
+    assert counted + heads == packed.weights.nbytes() + (facts.embed_bytes if facts.tie_embeddings else 0)
+
+
 @pytest.mark.parametrize("gguf_model", ["qwen3moe"], indirect=True)
 def test_experts_split_with_the_pool_stay_packed(gguf_model, engines, packed_logits, reference):
     """Half the experts resident (`--expert-budget-gb`): the device's stay packed, the pool's q4_k experts stay

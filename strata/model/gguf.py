@@ -445,6 +445,41 @@ class GGUFCheckpoint:
             return None  # a conversion other than a row order (values, columns): read dequantized
         return SUPPORTED_BLOCKS[info.qtype]
 
+    def load_packed_columns(self, name: str, dtype: torch.dtype = torch.bfloat16) -> tuple[PackedWeight, torch.Tensor] | None:
+        """A 2-D tensor the converter changed only by moving whole columns (Qwen3.5's `out_proj`, its value heads
+        tiled), kept packed as stored, and the order: transformers' column j is the stored column `order[j]` (a packed
+        row's blocks cannot be reordered, so the caller moves its input instead). None for any other tensor."""
+        found = self.column_order(name)
+        if found is None:
+            return None
+        info = self._source(name).parts[0]
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return from_gguf(torch.from_numpy(raw.reshape(info.shape[0], -1).copy()), info.qtype, info.shape, dtype), found[1]
+
+    def column_order(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """The packed format and column order `load_packed_columns` gives, without reading the tensor; else None."""
+        source = self._source(name)
+        info = source.parts[0]
+        if len(source.parts) != 1 or info.qtype not in SUPPORTED_BLOCKS or len(info.shape) != 2 or source.undo is None \
+                or self._row_order(source) is not None:
+            return None
+        order = self._column_order(source)
+        return None if order is None else (SUPPORTED_BLOCKS[info.qtype], order)
+
+    @staticmethod
+    def _column_order(source: _Source) -> torch.Tensor | None:
+        """As `_row_order`, for a tensor whose undoing only moves whole columns: two equal rows of column numbers."""
+        (info,) = source.parts
+        cols = info.shape[1]
+        try:
+            out = np.asarray(source.undo(np.repeat(np.arange(cols)[None, :], 2, axis=0)))
+        except (ValueError, IndexError):
+            return None
+        if out.shape != (2, cols) or not np.array_equal(out[0], out[1]) or \
+                not np.array_equal(np.sort(out[0]), np.arange(cols)):
+            return None
+        return torch.from_numpy(np.ascontiguousarray(out[0]).astype(np.int64))
+
     @staticmethod
     def _row_order(source: _Source) -> torch.Tensor | None:
         """When undoing the converter only moves whole rows (of the parts' rows, stacked in order), which stored row

@@ -137,5 +137,16 @@ class _ShapesOnly:
         data = torch.empty(*lead, row_bytes(fmt, k), dtype=torch.uint8, device="meta")
         return PackedWeight(fmt, tuple(self.inner.shape(name)), dtype=dtype, data=data)
 
+    def load_packed_columns(self, name: str, dtype: torch.dtype = torch.bfloat16):
+        from strata.quant.packed import PackedWeight, row_bytes
+
+        found = self.inner.column_order(name) if hasattr(self.inner, "column_order") else None
+        if found is None:
+            return None
+        fmt, order = found
+        rows, k = self.inner.shape(name)
+        data = torch.empty(rows, row_bytes(fmt, k), dtype=torch.uint8, device="meta")
+        return PackedWeight(fmt, (rows, k), dtype=dtype, data=data), order
+
     def qtype_name(self, name: str) -> str:
         return self.inner.qtype_name(name) if hasattr(self.inner, "qtype_name") else "?"

@@ -5,7 +5,8 @@ Neutral names per layer (shapes in torch orientation, [out, in]):
   attention: qkv [q_out + 2*Hkv*D, hidden] (q_out = H*D, or 2*H*D with the output gate: per head [q | gate]),
              qkv_bias (optional), q_norm, k_norm [D], o [hidden, H*D]
   gdn:       in_proj [conv_dim + value_dim + 2*Hv, hidden] (rows: q, k, v | z | b | a), conv [conv_dim, K],
-             neg_a [Hv] (= -exp(A_log)), dt_bias [Hv], norm [Dv], out [hidden, value_dim]
+             neg_a [Hv] (= -exp(A_log)), dt_bias [Hv], norm [Dv], out [hidden, value_dim], and out_heads [Hv]
+             int64 where `out` stays packed with its value heads' columns in the file's order (GGUF Qwen3.5)
   dense:     gate_up [2I, hidden], down [hidden, I]
   moe:       router [E, hidden], experts_gate_up [E, 2I, hidden], experts_down [E, hidden, I],
              shared_gate_up, shared_down, shared_gate [1, hidden] (when the spec has them)
@@ -105,6 +106,24 @@ class _Reader:
         self._stored[id(w)] = kind
         return w
 
+    def matrix_columns(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor | PackedWeight, torch.Tensor | None]:
+        """A projection's weight and, where it stays packed with its stored columns in another order than
+        transformers' (a GGUF Qwen3.5 `out_proj`), that order (transformers' column j is column order[j]); else
+        `matrix`'s weight and None."""
+        if self.packed and hasattr(self.ckpt, "load_packed_columns"):
+            found = self.ckpt.load_packed_columns(name, self.dtype)
+            if found is not None:
+                w, order = found
+                if tuple(w.shape) != tuple(shape):
+                    raise CheckpointError(
+                        f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+                kind = self.ckpt.qtype_name(name)
+                self.kept[kind] += 1
+                w = w.to(self.device)
+                self._stored[id(w)] = kind
+                return w, order
+        return self.matrix(name, shape), None
+
     def cat(self, parts: list, dim: int = 0) -> torch.Tensor | PackedWeight:
         """Weights joined along rows: packed when every part is packed alike, else all dequantized."""
         if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
@@ -188,14 +207,33 @@ def _gdn(r: _Reader, p: str, spec: ModelSpec, family: Family) -> Tensors:
              r.matrix(f"{p}in_proj_z.weight", (g.value_dim, hidden)),
              r.matrix(f"{p}in_proj_b.weight", (hv, hidden)), r.matrix(f"{p}in_proj_a.weight", (hv, hidden))]
         )
-    return {
+    t = {
         "in_proj": in_proj.contiguous(),
         "conv": r.get(f"{p}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)).reshape(g.conv_dim, g.conv_kernel),
         "neg_a": -r.get(f"{p}A_log", (hv,), torch.float32).exp(),
         "dt_bias": r.get(f"{p}dt_bias", (hv,), torch.float32),
         "norm": r.get(f"{p}norm.weight", (g.v_head_dim,), torch.float32),
-        "out": r.matrix(f"{p}out_proj.weight", (hidden, g.value_dim)),
     }
+    t["out"], order = r.matrix_columns(f"{p}out_proj.weight", (hidden, g.value_dim))
+    if order is not None:
+        heads = _stored_heads(order, hv, g.v_head_dim)
+        if heads is None:  # columns moved within heads: written out in transformers' order after all
+            t["out"] = r.plain(t["out"])[:, order.to(t["out"].device)].contiguous()
+        else:
+            t["out_heads"] = heads.to(r.device)
+    return t
+
+
+def _stored_heads(order: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor | None:
+    """For an out projection kept with its value heads' columns in another order (`order`, transformers' column j
+    is stored column order[j]): the index that puts a row's heads [Hv, Dv] in the stored order (`out_heads`: the
+    forward takes `out.index_select(1, out_heads)` before the product); None when `order` moves columns within a
+    head."""
+    blocks = order.reshape(heads, head_dim)
+    first = blocks[:, 0]
+    if bool((first % head_dim).any()) or not torch.equal(blocks, first[:, None] + torch.arange(head_dim)):
+        return None
+    return torch.argsort(first // head_dim)
 
 
 def _take_rows(w: torch.Tensor | PackedWeight, order: torch.Tensor) -> torch.Tensor | PackedWeight:

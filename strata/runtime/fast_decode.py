@@ -136,6 +136,8 @@ class TritonDecode:
                                 g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
                                 gates=(a, b, w["neg_a"], w["dt_bias"]), keep=keep)
         out = gated_rms_norm_triton(out, z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps)
+        if "out_heads" in w:  # a packed out_proj whose value heads' columns are in the file's order
+            out = out.index_select(1, w["out_heads"])
         return linear_split(out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x) -> torch.Tensor:

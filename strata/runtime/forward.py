@@ -270,6 +270,8 @@ class Forward:
                 state.keep(seg.first_pos, i)
             outs.append(seg_out)
         out = self.gated_norm(_joined(outs), z.reshape(r, g.num_v_heads, g.v_head_dim), w["norm"], self.spec.rms_eps, rows)
+        if "out_heads" in w:  # a packed out_proj whose value heads' columns are in the file's order
+            out = out.index_select(1, w["out_heads"])
         return rows(project, out.reshape(r, -1), w["out"])
 
     def _mlp(self, i: int, w: Tensors, x: torch.Tensor, rows) -> torch.Tensor:
