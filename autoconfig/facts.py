@@ -287,7 +287,14 @@ def read_model(path, bytes_per_param: float = 2.0, packed: bool = False) -> Mode
     )
 
 
-_FUSED = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)")  # the loader joins these into one weight
+# the loader joins these into one weight: q/k/v, gate/up, and a Gated DeltaNet layer's input projections
+_FUSED = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b"
+                    r"|in_proj_a)(?=\.weight$)")
+
+
+def _joined_name(m: re.Match) -> str:
+    part = m[1]
+    return "in_proj" if part.startswith("in_proj") else "qkv" if part[0] in "qkv" else "gate_up"
 
 
 def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
@@ -308,7 +315,7 @@ def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
             f = (ckpt.column_order(name) or (None,))[0]
         if f is not None:
             fmt[name] = f
-    joined = {name: _FUSED.sub(lambda m: "qkv" if m[1][0] in "qkv" else "gate_up", name)
+    joined = {name: _FUSED.sub(_joined_name, name)
               for name in ckpt.names() if _FUSED.search(name)}  # a part -> the weight it is joined into
     groups: dict[str, set] = {}
     for name, key in joined.items():

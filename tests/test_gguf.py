@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoconfig.facts import packed_sizes
 from strata.errors import CheckpointError
 from strata.model.gguf import GGUFCheckpoint
 from strata.model.loader import ModelFiles
@@ -510,7 +511,7 @@ def test_hybrid_gguf_projections_stay_packed_where_the_converter_only_moved_rows
     transformers' order, the same values as read dequantized; the fused in_proj a stage loads for the Triton kernels
     is packed. What changes values (norms stored as 1 + w) or moves columns (Qwen3.5's out_proj) is read
     dequantized."""
-    _, path, _, _, _ = hybrid_pair
+    _, path, tensors, cfg, mtp_layers = hybrid_pair
     ckpt = GGUFCheckpoint(path)
     qwen35 = ckpt.arch == "qwen35moe"
     p = "model.layers.0.linear_attn."
@@ -525,7 +526,7 @@ def test_hybrid_gguf_projections_stay_packed_where_the_converter_only_moved_rows
         assert GGUFCheckpoint._row_order(out_proj) is None
         order = GGUFCheckpoint._column_order(out_proj)
         assert sorted(order.tolist()) == list(range(48)) and order.tolist() != list(range(48))
-        stored = torch.from_numpy(ckpt._read(out_proj.parts[0]))
+        stored = torch.from_numpy(np.array(ckpt._read(out_proj.parts[0])))
         assert torch.equal(stored[:, order], ckpt.load(f"{p}out_proj.weight"))
     files = ModelFiles.open(path)
     cpu = torch.device("cpu")
@@ -533,6 +534,19 @@ def test_hybrid_gguf_projections_stay_packed_where_the_converter_only_moved_rows
     in_proj = packed.layers[0]["in_proj"]
     assert isinstance(in_proj, PackedWeight) and in_proj.fmt == "q8_0"
     assert torch.equal(dequantize(in_proj), plain.layers[0]["in_proj"])
+    sizes = packed_sizes(ckpt, "model.")  # autoconfig counts what the loader keeps packed
+    qkv = f"{p}in_proj_{'qkv' if qwen35 else 'qkvz'}.weight"
+    assert qkv in sizes
+
+    # layer 2's qkv part Q8_0 beside its other parts in F32: the fused in_proj is dequantized, and not counted packed
+    mixed = path.with_name(f"mixed-{path.name}")
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == ckpt.arch)
+    write_hybrid_gguf(mixed, arch, cfg, tensors, mtp_layers=mtp_layers, also_quantized=("blk.2.attn_qkv.weight",))
+    other = GGUFCheckpoint(mixed)
+    part = qkv.replace("layers.0.", "layers.2.")
+    # (Qwen3.5: its own tensor, packed alone, joined with F32 ones; Qwen3-Next: one tensor of two parts that differ)
+    assert other.packed_format(part) == ("q8_0" if qwen35 else None) and part not in packed_sizes(other, "model.")
+    assert isinstance(ModelFiles.open(mixed).load(cpu, torch.float32, packed=True).layers[2]["in_proj"], torch.Tensor)
 
 
 def test_hybrid_gguf_missing_metadata_or_tensor(hybrid_pair, tmp_path):
