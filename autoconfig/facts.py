@@ -21,6 +21,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from strata.experts.threads import cgroup_number, usable_cores
+
 # GB/s per lane, after line encoding (8b/10b up to Gen2, 128b/130b from Gen3), by PCIe generation
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
@@ -182,19 +184,16 @@ def read_host(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"),
     available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
     if node:
         cgroup = Path("/nonexistent")  # no limits of this container apply
-    limit = _cgroup_number(cgroup / "memory.max")  # cgroup v2; v1 below
-    used = _cgroup_number(cgroup / "memory.current")
+    limit = cgroup_number(cgroup / "memory.max")  # cgroup v2; v1 below
+    used = cgroup_number(cgroup / "memory.current")
     if limit is None:
-        limit = _cgroup_number(cgroup / "memory" / "memory.limit_in_bytes")
-        used = _cgroup_number(cgroup / "memory" / "memory.usage_in_bytes")
+        limit = cgroup_number(cgroup / "memory" / "memory.limit_in_bytes")
+        used = cgroup_number(cgroup / "memory" / "memory.usage_in_bytes")
     if limit is not None and limit < total:
         total, available = limit, min(available, max(limit - (used or 0), 0))
     if not total:  # not Linux: fall back on what the OS offers
         total = available = _sysconf_ram()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = _cgroup_cpus(cgroup / "cpu.max")
-    if quota is not None:
-        cores = max(1, min(cores, quota))
+    cores = usable_cores(cgroup)
     from strata.experts.native import cpu_has_bf16_dots  # (imports torch: not at module level)
 
     return HostFacts(ram_total_bytes=total, ram_available_bytes=available, cpu_cores=cores,
@@ -212,25 +211,6 @@ def _meminfo(path: Path) -> dict[str, int]:
         if match:
             out[match[1]] = int(match[2]) * 1024
     return out
-
-
-def _cgroup_number(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
-
-
-def _cgroup_cpus(path: Path) -> int | None:
-    """CPUs of the cgroup's quota: `cpu.max` ("150000 100000", or "max 100000"), or v1's cfs quota / period."""
-    try:
-        quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        v1 = path.parent / "cpu"
-        quota, period = _cgroup_number(v1 / "cpu.cfs_quota_us"), _cgroup_number(v1 / "cpu.cfs_period_us")
-        return math.ceil(quota / period) if quota and period else None  # v1's -1 (no quota) reads as None
-    return math.ceil(int(quota) / int(period)) if quota.isdigit() and period.isdigit() else None
 
 
 def _sysconf_ram() -> int:

@@ -5,6 +5,7 @@ solo, layer splits, trimming, the device tensors, the residency facts and the bu
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -326,6 +327,18 @@ def test_the_pool_leaves_a_quarter_of_the_cores_to_the_rest_by_default():
     from strata.experts.threads import pool_threads
 
     assert [pool_threads(n) for n in (1, 2, 3, 4, 8, 12, 16, 32, 64)] == [1, 1, 2, 3, 6, 9, 12, 28, 60]
+
+
+def test_the_pools_cores_are_the_containers_quota_not_the_nodes(tmp_path):
+    """In a pod whose CPU limit is below the node's cores the affinity still lists every core: the quota counts."""
+    from strata.experts.threads import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: 2
+    assert usable_cores(tmp_path) == min(affinity, 2)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(tmp_path) == affinity
+    assert usable_cores(tmp_path / "none") == affinity
 
 
 def test_given_and_random_weights_are_split_too(model):

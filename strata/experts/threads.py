@@ -10,17 +10,40 @@ through the server"). So a quarter of the cores, at most HOST_CORES and at least
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 HOST_CORES = 4  # cores left, at the most, to the engine's host loop, CUDA's threads, the server and its clients
+CGROUP = Path("/sys/fs/cgroup")
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity)."""
+def usable_cores(cgroup: Path = CGROUP) -> int:
+    """The CPUs this process may use: its affinity, within its container's CPU quota where it has one (a pod
+    limited to 16 CPUs on a 128-core node sees 128 in its affinity)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpus(cgroup / "cpu.max")
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_number(path: Path) -> int | None:
+    """A cgroup file's number; None where it is missing or says "max" (no limit)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_cpus(path: Path) -> int | None:
+    """CPUs of the cgroup's quota: `cpu.max` ("150000 100000", or "max 100000"), or v1's cfs quota / period."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        v1 = path.parent / "cpu"
+        quota, period = cgroup_number(v1 / "cpu.cfs_quota_us"), cgroup_number(v1 / "cpu.cfs_period_us")
+        return math.ceil(quota / period) if quota and period else None  # v1's -1 (no quota) reads as None
+    return math.ceil(int(quota) / int(period)) if quota.isdigit() and period.isdigit() else None
 
 
 def pool_threads(cores: int) -> int:
