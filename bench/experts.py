@@ -206,6 +206,7 @@ def check(make_engine, rows: int, tokens: int, prompt_len: int) -> bool:
 def main(argv: list[str] | None = None) -> None:
     from shapes import shape
 
+    from strata.experts import native
     from strata.experts.residency import expert_bytes
     from strata.model.random_weights import random_stage_weights
     from strata.runtime.generate import Engine
@@ -301,7 +302,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{m['window_s'] * 1e3:>9.2f} {m['pool_s'] * 1e3:>8.2f} {m['wait_s'] * 1e3:>8.2f} {m['pool_bytes'] / 1e6:>8.1f} "
                   f"{pool_rate:>9.1f} {m['upload_bytes'] / 1e6:>6.1f} {m['hit']:>9.1%}", flush=True)
             if any(m["phases_s"]):
-                from strata.experts import native
   # the pool's own kernel: where its time went, per window over all layers
                 print(f"{'':>19}pool kernel ms a window: " + ", ".join(
                     f"{name} {t * 1e3:.2f}" for name, t in zip(native.PHASES, m["phases_s"])), flush=True)

@@ -211,6 +211,15 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _permutation(out: np.ndarray, n: int) -> torch.Tensor | None:
+    """`out` [n, 2]: two equal columns of numbers that undoing a conversion moved; the order they came out in when
+    that is a permutation of 0 .. n - 1 with the columns still equal (only whole rows or columns moved), else None."""
+    if out.shape != (n, 2) or not np.array_equal(out[:, 0], out[:, 1]) or not np.array_equal(np.sort(out[:, 0]),
+                                                                                              np.arange(n)):
+        return None
+    return torch.from_numpy(np.ascontiguousarray(out[:, 0]).astype(np.int64))
+
+
 @functools.cache
 def _readable(qtype: GGMLQuantizationType) -> bool:
     """Whether the loader's dequantizer reads tensors of this type (one zero block tried)."""
@@ -423,11 +432,7 @@ class GGUFCheckpoint:
         if self.packed_format(name) is None:
             return None
         source = self._source(name)
-        parts = []
-        for info in source.parts:
-            raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-            parts.append(from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape,
-                                   dtype))
+        parts = [self._packed_part(info, dtype) for info in source.parts]
         weight = packed_cat(parts) if len(parts) > 1 else parts[0]
         rows = self._row_order(source) if source.undo is not None else None
         return weight.rows(rows) if rows is not None else weight
@@ -450,11 +455,12 @@ class GGUFCheckpoint:
         tiled), kept packed as stored, and the order: transformers' column j is the stored column `order[j]` (a packed
         row's blocks cannot be reordered, so the caller moves its input instead). None for any other tensor."""
         found = self.column_order(name)
-        if found is None:
-            return None
-        info = self._source(name).parts[0]
+        return None if found is None else (self._packed_part(self._source(name).parts[0], dtype), found[1])
+
+    def _packed_part(self, info: _TensorInfo, dtype: torch.dtype) -> PackedWeight:
+        """One GGUF tensor's blocks as they are stored, as a packed weight."""
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        return from_gguf(torch.from_numpy(raw.reshape(info.shape[0], -1).copy()), info.qtype, info.shape, dtype), found[1]
+        return from_gguf(torch.from_numpy(raw.reshape(*info.shape[:-1], -1).copy()), info.qtype, info.shape, dtype)
 
     def column_order(self, name: str) -> tuple[str, torch.Tensor] | None:
         """The packed format and column order `load_packed_columns` gives, without reading the tensor; else None."""
@@ -470,15 +476,11 @@ class GGUFCheckpoint:
     def _column_order(source: _Source) -> torch.Tensor | None:
         """As `_row_order`, for a tensor whose undoing only moves whole columns: two equal rows of column numbers."""
         (info,) = source.parts
-        cols = info.shape[1]
         try:
-            out = np.asarray(source.undo(np.repeat(np.arange(cols)[None, :], 2, axis=0)))
+            out = np.asarray(source.undo(np.repeat(np.arange(info.shape[1])[None, :], 2, axis=0)))
         except (ValueError, IndexError):
             return None
-        if out.shape != (2, cols) or not np.array_equal(out[0], out[1]) or \
-                not np.array_equal(np.sort(out[0]), np.arange(cols)):
-            return None
-        return torch.from_numpy(np.ascontiguousarray(out[0]).astype(np.int64))
+        return _permutation(out.T, info.shape[1])
 
     @staticmethod
     def _row_order(source: _Source) -> torch.Tensor | None:
@@ -493,10 +495,7 @@ class GGUFCheckpoint:
             out = np.asarray(source.undo(*numbers))
         except (ValueError, IndexError):  # a reshape that only columns of the real width fit
             return None
-        if out.shape != (start, 2) or not np.array_equal(out[:, 0], out[:, 1]) or \
-                not np.array_equal(np.sort(out[:, 0]), np.arange(start)):
-            return None
-        return torch.from_numpy(np.ascontiguousarray(out[:, 0]).astype(np.int64))
+        return _permutation(out, start)
 
     def qtype_name(self, name: str) -> str:
         """The GGUF type the tensor is stored in (e.g. 'Q4_K'), for the load's summary."""

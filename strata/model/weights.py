@@ -95,12 +95,19 @@ class _Reader:
         if w is None:
             self.dequantized[kind] += 1
             return self.get(name, shape, device=device)
-        if tuple(w.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+        self._check_shape(name, w, shape)
         if not keep:
             self.dequantized[kind] += 1
             return self.plain(w).to(device or self.device).contiguous()
+        return self._kept(w, kind, device)
+
+    def _check_shape(self, name: str, w: torch.Tensor | PackedWeight, shape: tuple[int, ...]) -> None:
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+
+    def _kept(self, w: PackedWeight, kind: str, device: torch.device | None = None) -> PackedWeight:
+        """A packed weight kept as it is, on the device, counted (and remembered, should a join undo it)."""
         self.kept[kind] += 1
         w = w.to(device or self.device)
         self._stored[id(w)] = kind
@@ -114,14 +121,8 @@ class _Reader:
             found = self.ckpt.load_packed_columns(name, self.dtype)
             if found is not None:
                 w, order = found
-                if tuple(w.shape) != tuple(shape):
-                    raise CheckpointError(
-                        f"{self.ckpt.path}: tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
-                kind = self.ckpt.qtype_name(name)
-                self.kept[kind] += 1
-                w = w.to(self.device)
-                self._stored[id(w)] = kind
-                return w, order
+                self._check_shape(name, w, shape)
+                return self._kept(w, self.ckpt.qtype_name(name)), order
         return self.matrix(name, shape), None
 
     def cat(self, parts: list, dim: int = 0) -> torch.Tensor | PackedWeight:
@@ -156,10 +157,8 @@ class _Reader:
         if name not in self.names:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
         t = self.ckpt.load(name, dtype or self.dtype)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.ckpt.path}: tensor {name!r} has shape {list(t.shape)}, the config implies {list(shape)}"
-            )
+        if shape is not None:
+            self._check_shape(name, t, shape)
         return t.to(device or self.device).contiguous()
 
     def norm(self, name: str, dim: int, offset: float) -> torch.Tensor:
