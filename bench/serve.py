@@ -701,7 +701,8 @@ def print_report(r: dict) -> None:
     c = r["config"]
     print()
     print(f"== strata serve vs the in-process engine: {c['model']} ({c['layers']} layers) on {c['device']}, "
-          f"{c['dtype']}, batch {c['batch']}, max_cells {c['max_cells']}, {c['prompt_len']}-token prompts, "
+          f"{c['dtype']}" + (f" packed as {c['quantization']}" if c.get("quantization") else "") +
+          f", batch {c['batch']}, max_cells {c['max_cells']}, {c['prompt_len']}-token prompts, "
           f"{c['tokens']} tokens each" + (f", --expert-budget-gb {c['expert_budget_gb']}" if c.get("expert_budget_gb")
                                           else ""))
     load = r["load_average"]
