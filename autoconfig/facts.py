@@ -281,7 +281,7 @@ def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
     """name -> bytes for the tensors the loader keeps packed (the checkpoint's `packed_format`): projections,
     experts and the head, not the embedding or the router; parts the loader joins (q/k/v, gate/up) only when
     all of them share one format (else the joined weight is dequantized)."""
-    from strata.quant.packed import packed_nbytes
+    from strata.quant.packed import KERNEL_FORMAT, packed_nbytes
 
     if not hasattr(ckpt, "packed_format"):
         return {}
@@ -293,7 +293,7 @@ def packed_sizes(ckpt, prefix: str) -> dict[str, int]:
         f = ckpt.packed_format(name)
         if f is None and hasattr(ckpt, "column_order"):  # kept packed in the file's column order (GGUF Qwen3.5)
             f = (ckpt.column_order(name) or (None,))[0]
-        if f is not None:
+        if f in KERNEL_FORMAT:  # (a format only the CPU's kernel reads, Q4_1, is dequantized on a GPU)
             fmt[name] = f
     joined = {name: _FUSED.sub(_joined_name, name)
               for name in ckpt.names() if _FUSED.search(name)}  # a part -> the weight it is joined into

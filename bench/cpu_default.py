@@ -42,7 +42,10 @@ def bench_strata(prompt: str, tokens: int) -> dict:
     for _ in range(tokens):
         logits = engine.run(state, [int(logits[-1].argmax())])
     decode = time.perf_counter() - start
-    weight_bytes = engine.weights.nbytes()
+    w = engine.weights
+    weight_bytes = w.nbytes()
+    if w.embed is not None and w.lm_head is not w.embed:  # a head of its own (oneDNN's copy, or packed): a step
+        weight_bytes -= w.embed.numel() * w.embed.element_size()  # reads one row of the embedding table
     return {"load_s": load, "tok_s": tokens / decode, "weight_bytes": weight_bytes, "ids": ids}
 
 

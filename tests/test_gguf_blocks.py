@@ -17,10 +17,10 @@ from strata.quant.packed import cat, dequantize
 
 TYPES = list(SUPPORTED)
 # byte offsets of d (and dmin)
-FP16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ3_S: (0,)}
+FP16_FIELDS = {T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ3_S: (0,)}
 # relative RMS error of gguf's dequantization of `quantize` on normal [64, 512] weights: about 1.5x the measured
-# 0.0053 (Q8_0), 0.078 (Q4_K), 0.038 (Q5_K), 0.0193 (Q6_K), 0.136 (IQ3_S: nearest grid point, no search)
-MAX_ERROR = {T.Q8_0: 0.008, T.Q4_K: 0.12, T.Q5_K: 0.06, T.Q6_K: 0.03, T.IQ3_S: 0.2}
+# 0.0053 (Q8_0), 0.078 (Q4_1, Q4_K), 0.038 (Q5_K), 0.0193 (Q6_K), 0.136 (IQ3_S: nearest grid point, no search)
+MAX_ERROR = {T.Q8_0: 0.008, T.Q4_1: 0.12, T.Q4_K: 0.12, T.Q5_K: 0.06, T.Q6_K: 0.03, T.IQ3_S: 0.2}
 
 
 def random_blocks(qtype: T, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

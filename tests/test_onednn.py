@@ -67,10 +67,16 @@ def test_block_stage_reorders_projections_and_leaves_the_rest():
     assert onednn.block_stage(weights, torch.float32) == 0  # already blocked: nothing more
 
 
-def test_the_cpu_engine_holds_blocked_projections(default_engine):
-    """The embedded default on the CPU (a checkpoint loaded on the torch kernels): projections and head blocked; its
-    answers are checked against transformers elsewhere (test_gguf.py, test_engine.py), so they run on these."""
-    w = default_engine.stages[0].weights
+def test_the_cpu_engine_holds_blocked_projections(tmp_path):
+    """A float checkpoint on the CPU's torch kernels: projections and head blocked (a quantized one's packed matrices
+    go to the CPU's own kernel instead: tests/test_cpu_packed_engine.py); tiny models' answers are checked against
+    transformers elsewhere (test_engine.py), so they run on these."""
+    from strata.model.loader import ModelFiles
+    from strata.runtime.generate import Engine
+    from tests.tiny_models import build
+
+    build("llama-gqa-tied", tmp_path)
+    w = Engine(ModelFiles.open(tmp_path), max_cells=64).stages[0].weights
     assert w.layers[0]["qkv"].is_mkldnn and w.layers[0]["down"].is_mkldnn and w.lm_head.is_mkldnn
     assert not w.embed.is_mkldnn and not w.layers[0]["attn_norm"].is_mkldnn
-    assert torch.equal(onednn.dense(w.lm_head), w.embed)  # SmolLM2 ties its head to the embedding
+    assert torch.equal(onednn.dense(w.lm_head), w.embed)  # a tied head: a blocked copy of the embedding

@@ -70,7 +70,10 @@ def test_torch_path_is_the_quantized_checkpoint(folders, fmt):
     twin = Engine(ModelFiles.open(twins[fmt]), dtype=torch.float32, kernels="torch", max_cells=64)
     plain = Engine(ModelFiles.open(base), dtype=torch.float32, kernels="torch", max_cells=64)
     got, want, original = logits(quantized), logits(twin), logits(plain)
-    assert torch.equal(got, want)
+    # the quantized matrices stay packed for the CPU's own kernel (its sums in another order than oneDNN's over the
+    # twin's float weights): float32 rounding apart, the same answer
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert not torch.equal(got, original)  # the quantization did change the weights
     import transformers
 

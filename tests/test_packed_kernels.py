@@ -15,7 +15,9 @@ from strata.kernels.linear import linear_split, linear_triton, split_k, CONFIGS 
 from strata.kernels.moe import decode_tiles, moe_triton, prompt_tiles  # noqa: E402
 from strata.kernels.packed import SCALED_AFTER_FORMATS, dequantize_triton  # noqa: E402
 from strata.kernels.deferred import SplitSum, finish  # noqa: E402
-from strata.quant.packed import FORMATS, PackedWeight, dequantize, packed_nbytes  # noqa: E402
+from strata.quant.packed import KERNEL_FORMAT, PackedWeight, dequantize, packed_nbytes  # noqa: E402
+
+FORMATS = list(KERNEL_FORMAT)  # what the Triton kernels read (q4_1: the CPU's own kernel only, test_cpu_packed.py)
 from tests.packed_weights import random_packed  # noqa: E402
 
 
@@ -37,6 +39,7 @@ def test_a_row_record_is_as_long_as_gguf_blocks():
                                                               "q5_k": 1440, "q6_k": 1680, "iq3_s": 880}
     assert {f: packed_nbytes(f, 1, 768) for f in FORMATS} == {"q8_0": 816, "fp8": 800, "q4_k": 448, "q5_k": 544,
                                                              "q6_k": 640, "iq3_s": 336}
+    assert packed_nbytes("q4_1", 1, 2048) == 2048 // 32 * 20  # GGUF's Q4_1 blocks exactly (the CPU's kernel reads it)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

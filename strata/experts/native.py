@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from strata.kernels import native_build
 
 log = logging.getLogger("strata.engine")
 SOURCE = Path(__file__).resolve().parent / "experts_bf16.c"
@@ -45,13 +42,7 @@ PHASES = ("bookkeeping", "wake-up", "gate_up", "down", "sums")
 
 def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """The first CPU's flags in `cpuinfo` (none off x86-64, or where it cannot be read)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
-    try:
-        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(flags.partition(":")[2].split())
+    return native_build.cpu_flags(cpuinfo)
 
 
 def cpu_has_bf16_dots(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -94,22 +85,7 @@ SHIPPED = SOURCE.with_suffix(".so")  # built into an image by its Dockerfile (`b
 def build(out: Path) -> str | None:
     """Compile the kernel into `out` (atomically: a reader sees the whole file or none); the compiler's complaint
     when it cannot."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        return "no gcc to build it (install gcc for about twice oneDNN's rate on experts in host RAM)"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-        built = Path(tmp.name)
-    try:
-        run = subprocess.run([gcc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        built.unlink(missing_ok=True)
-        return str(e)
-    if run.returncode:
-        built.unlink(missing_ok=True)
-        return run.stderr.strip()[-300:]
-    built.replace(out)
-    return None
+    return native_build.build(SOURCE, FLAGS, out)
 
 
 @functools.cache
@@ -120,19 +96,9 @@ def load() -> ctypes.CDLL | None:
     if not cpu_has_bf16_dots():
         log.info("the CPU expert pool uses oneDNN's products: this CPU has no AVX512_BF16 dot products")
         return None
-    lib = SHIPPED
-    if not lib.exists():
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        lib = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / f"experts_bf16-{digest}.so"
-        if not lib.exists():
-            try:
-                problem = build(lib)
-            except OSError as e:  # an unwritable cache folder
-                problem = str(e)
-            if problem:
-                log.warning("the CPU expert pool uses oneDNN's products: its own kernel could not be built: %s", problem)
-                return None
-    lib = ctypes.CDLL(str(lib))
+    lib, _ = native_build.load(SOURCE, FLAGS, SHIPPED, "the CPU expert pool uses oneDNN's products")
+    if lib is None:
+        return None
     schedule = os.environ.get("STRATA_POOL_SCHEDULE", "dynamic")
     if schedule not in SCHEDULES:
         log.warning("STRATA_POOL_SCHEDULE=%s: expected one of %s; the CPU expert pool keeps dynamic shares", schedule,

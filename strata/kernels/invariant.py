@@ -82,13 +82,26 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
     """fn(x, ...) computed on zero-padded blocks of rows of x [R, ...]; fn must work row by row and
     return a tensor or a tuple of tensors with one row per input row."""
     rows = x.shape[0]
-    block = row_block(x.dtype) if x.device.type == "cpu" else (3 if x.dtype == torch.float32 else 8)
-    if rows % block:
-        x = torch.cat([x, x.new_zeros(block - rows % block, *x.shape[1:])])
+    if _summed_alone(args):  # the CPU's own packed kernel sums every row alone at any count: no padding, and
+        # parts of rows it takes whole (more rows would be written out and multiplied otherwise)
+        from strata.kernels.cpu_packed import KERNEL_ROWS
+
+        block = KERNEL_ROWS
+    else:
+        block = row_block(x.dtype) if x.device.type == "cpu" else (3 if x.dtype == torch.float32 else 8)
+        if rows % block:
+            x = torch.cat([x, x.new_zeros(block - rows % block, *x.shape[1:])])
     outs = [fn(b, *args, **kwargs) for b in x.split(block)]
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(parts)[:rows] for parts in zip(*outs))
     return torch.cat(outs)[:rows] if len(outs) > 1 else outs[0][:rows]
+
+
+def _summed_alone(args) -> bool:
+    """Whether fn's weights (its arguments after x) are all packed for the CPU's own kernel
+    (`strata.kernels.cpu_packed`), whose products sum each row on its own whatever the rows beside it."""
+    weights = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 or hasattr(a, "host_kernel")]
+    return bool(weights) and all(getattr(w, "host_kernel", False) for w in weights)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

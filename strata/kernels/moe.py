@@ -45,8 +45,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
                    rows: Rows = plain) -> torch.Tensor:
     """Each row's top-k experts, weighted and summed. gate_up: [E, 2I, H]; down: [E, H, I]. Returns [R, H].
     An id >= E names an expert not held here (the CPU expert pool computes it): its pair adds nothing. Packed
-    experts are written out whole first (this reference is not the path a GPU's windows take)."""
-    gate_up, down = plain_weight(gate_up, x.dtype), plain_weight(down, x.dtype)
+    experts are written out whole first (this reference is not the path a GPU's windows take), but for the CPU's own
+    kernel, which reads each expert's records as they are (`strata.kernels.cpu_packed`)."""
+    gate_up, down = (w if getattr(w, "host_kernel", False) else plain_weight(w, x.dtype) for w in (gate_up, down))
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)

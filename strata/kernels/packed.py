@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from strata.kernels import onednn
+from strata.kernels import cpu_packed, onednn
 from strata.quant.packed import PackedWeight, iq3s_grid
 
 
@@ -397,13 +397,19 @@ def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Te
     if onednn.is_blocked(weight):
         return onednn.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
+        if weight.host_kernel:  # a CPU stage's packed weight: the CPU's own kernel (`strata.kernels.cpu_packed`)
+            return cpu_packed.project(x, weight, bias)
         weight = dequantize_triton(weight, x.dtype)
     return F.linear(x, weight, bias)
 
 
 def plain_weight(w: torch.Tensor | PackedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A weight as a tensor: a packed one written out in `dtype` (default: its activations' dtype)."""
-    return dequantize_triton(w, dtype) if isinstance(w, PackedWeight) else w
+    if not isinstance(w, PackedWeight):
+        return w
+    if w.host_kernel:
+        return cpu_packed.dequantize(w).to(dtype or w.dtype)
+    return dequantize_triton(w, dtype)
 
 
 def dequantize_triton(w: PackedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:

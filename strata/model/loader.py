@@ -84,14 +84,15 @@ class ModelFiles:
 
     def load(self, device: torch.device, dtype: torch.dtype, layers: range | None = None, trim: bool = True,
              resident: dict[int, tuple[int, ...]] | None = None, packed: bool = False,
-             split_packed: bool = True) -> StageWeights:
+             split_packed: bool = True, packed_kernels: str = "triton") -> StageWeights:
         """`resident`: per MoE layer that keeps only some experts on `device`, their ids (the rest: host RAM).
-        `packed`: a quantized checkpoint's weights stay quantized (for the Triton kernels)."""
+        `packed`: a quantized checkpoint's weights stay quantized, for the Triton kernels or, with `packed_kernels`
+        "cpu", the CPU's own (`strata.kernels.cpu_packed`)."""
         layers = layers if layers is not None else range(self.spec.num_layers)
         return load_stage_weights(
             self.checkpoint, self.family, self.spec, layers, device, dtype,
             first=layers.start == 0, last=layers.stop == self.spec.num_layers, trim=trim, resident=resident,
-            packed=packed, split_packed=split_packed,
+            packed=packed, split_packed=split_packed, packed_kernels=packed_kernels,
         )
 
 

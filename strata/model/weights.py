@@ -18,7 +18,9 @@ Only the named layers are read, so a stage holds no tensor of another stage's la
 With `packed`, the projections, experts and head of a quantized checkpoint (GGUF Q8_0 / Q4_K / Q5_K / Q6_K, FP8
 blocks of 128 columns) stay quantized as `PackedWeight`s, which the Triton kernels read (`strata.kernels.packed`);
 a tensor of another type, a fused tensor whose parts differ in type, the embedding and the router are dequantized
-at load, and the load's log line says how many tensors went which way.
+at load, and the load's log line says how many tensors went which way. `packed_kernels="cpu"`: kept for the CPU's
+own kernel instead (`strata.kernels.cpu_packed`: its formats, GGUF Q4_1 among them), marked `host_kernel`; a tied
+head gets a packed copy of its own then (the embedding's lookups read the plain table).
 """
 
 from __future__ import annotations
@@ -71,10 +73,18 @@ class StageWeights:
 
 
 class _Reader:
-    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, packed: bool = False):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, packed: bool = False,
+                 packed_kernels: str = "triton"):
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
         self.names = set(ckpt.names())
         self.packed = packed and hasattr(ckpt, "load_packed")
+        self.host_kernel = packed_kernels == "cpu"
+        if self.host_kernel:
+            from strata.kernels import cpu_packed
+
+            self.formats = frozenset(cpu_packed.FORMATS)
+        else:
+            self.formats = frozenset(pk.KERNEL_FORMAT)  # what the Triton kernels read
         self.quantizes = getattr(ckpt, "quantizes", False)  # quantized as it loads (`strata.quant.online`)
         self.kept = Counter()  # stored type -> matrices kept packed
         self.dequantized = Counter()  # stored type -> matrices dequantized at load (with `packed`)
@@ -92,7 +102,7 @@ class _Reader:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
         w = self.ckpt.load_packed(name, self.dtype)
         kind = self.ckpt.qtype_name(name)
-        if w is None:
+        if w is None or (keep and w.fmt not in self.formats):  # (a format these kernels do not read)
             self.dequantized[kind] += 1
             return self.get(name, shape, device=device)
         self._check_shape(name, w, shape)
@@ -110,6 +120,7 @@ class _Reader:
         """A packed weight kept as it is, on the device, counted (and remembered, should a join undo it)."""
         self.kept[kind] += 1
         w = w.to(device or self.device)
+        w.host_kernel = self.host_kernel
         self._stored[id(w)] = kind
         return w
 
@@ -119,7 +130,7 @@ class _Reader:
         `matrix`'s weight and None."""
         if self.packed and hasattr(self.ckpt, "load_packed_columns"):
             found = self.ckpt.load_packed_columns(name, self.dtype)
-            if found is not None:
+            if found is not None and found[0].fmt in self.formats:
                 w, order = found
                 self._check_shape(name, w, shape)
                 return self._kept(w, self.ckpt.qtype_name(name)), order
@@ -308,6 +319,7 @@ def load_stage_weights(
     resident: dict[int, tuple[int, ...]] | None = None,
     packed: bool = False,
     split_packed: bool = True,
+    packed_kernels: str = "triton",
 ) -> StageWeights:
     """Read the tensors of `layers` (plus the embedding on the first stage and the head on the last).
 
@@ -316,8 +328,9 @@ def load_stage_weights(
     `resident`: for MoE layers that keep only some experts on `device`, their ids (`strata.experts.residency`);
     the other experts go to `StageWeights.offloaded` in host RAM. `packed`: quantized weights stay quantized where
     the checkpoint allows (the module's docstring); `split_packed` False: not the experts split by `resident`
-    (hot residency swaps them as plain tensors)."""
-    r = _Reader(ckpt, device, dtype, packed)
+    (hot residency swaps them as plain tensors). `packed_kernels`: which kernels read them, "triton" or "cpu" (the
+    module's docstring)."""
+    r = _Reader(ckpt, device, dtype, packed, packed_kernels)
     pre, off, hidden = family.prefix, family.norm_offset, spec.hidden_size
     resident = resident or {}
     offloaded: dict[int, Tensors] = {}
@@ -346,6 +359,10 @@ def load_stage_weights(
             if not spec.tie_embeddings:
                 raise CheckpointError(f"{ckpt.path}: tensor 'lm_head.weight' is missing and the config does not tie embeddings")
             weights.lm_head = weights.embed
+            if r.host_kernel and r.packed:  # the CPU kernel reads the head packed; lookups read the plain table
+                head = r.matrix(f"{pre}embed_tokens.weight", embed_shape)
+                if isinstance(head, PackedWeight):
+                    weights.lm_head = head
         else:
             weights.lm_head = r.matrix("lm_head.weight", embed_shape)
         weights.mtp = {n: r.get(n, dtype=torch.int64 if n == "mtp.draft_vocab" else None)

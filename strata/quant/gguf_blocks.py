@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from strata.quant.packed import PackedWeight, dequantize
 
 T = GGMLQuantizationType
-SUPPORTED = {T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ3_S: "iq3_s"}
+SUPPORTED = {T.Q8_0: "q8_0", T.Q4_1: "q4_1", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ3_S: "iq3_s"}
 
 _CHUNK = 1 << 24  # elements `quantize` handles per pass (its temporaries are a few float32 copies of this)
 
@@ -84,6 +84,10 @@ def from_gguf(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple
     if qtype == T.Q8_0:
         codes = b[..., 2:].contiguous().view(torch.int8).reshape(*lead, k)
         return PackedWeight(fmt, tuple(shape), codes, _f16(b[..., :2]).reshape(*lead, nb), dtype=dtype)
+    if qtype == T.Q4_1:  # d | m | qs[16]: column i in the low nibble of byte i, column 16 + i in its high one
+        low = _fields(b[..., 4:], 4).reshape(*lead, k)
+        scales = _f16(b[..., :4]).reshape(*lead, nb, 2)
+        return PackedWeight(fmt, tuple(shape), _pack(low, 4), scales, dtype=dtype)
     if qtype == T.IQ3_S:  # d | qs[64] | qh[8] | signs[32] | scales[4]: each part's bytes joined across blocks
         part = lambda a, z: b[..., a:z].reshape(*lead, -1)  # noqa: E731
         return PackedWeight(fmt, tuple(shape), part(2, 66), part(106, 110), _f16(b[..., :2]).reshape(*lead, nb),
@@ -126,6 +130,13 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
     d = x.abs().amax(-1, keepdim=True) / 127
     q = _roundf(x * torch.where(d == 0, 0.0, 1 / d))  # gguf's float32 steps, for its bytes
     return torch.cat([_bytes(d.half()), _bytes(q.to(torch.int8))], -1)
+
+
+def _q4_1(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = ((x - lo) * torch.where(d == 0, 0.0, 1 / d) + 0.5).trunc_().clamp_(0, 15).to(torch.uint8)
+    return torch.cat([_bytes(d.half()), _bytes(lo.half()), _merge(q.view(-1, 2, 16), 4)], -1)
 
 
 def _q45_k(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -183,7 +194,7 @@ def _iq3_s(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_bytes(d), qs, qh, signs, scales], -1)
 
 
-_QUANTIZERS = {T.IQ3_S: _iq3_s, T.Q8_0: _q8_0, T.Q4_K: lambda x: _q45_k(x, 4), T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
+_QUANTIZERS = {T.IQ3_S: _iq3_s, T.Q8_0: _q8_0, T.Q4_1: _q4_1, T.Q4_K: lambda x: _q45_k(x, 4), T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
 
 
 def quantize(w: torch.Tensor, qtype: GGMLQuantizationType | int) -> torch.Tensor:

@@ -5,6 +5,9 @@ experts) stored as small integer or float8 codes with per-group scales, in the f
 one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts one after another:
 
   q8_0  codes int8 [K] | scales float16 [K/32]:                          w = f32(scale) * code
+  q4_1  codes uint8 [K/2] (four bits a column, in column order) | scales float16 [K/32, 2] (each 32 columns' d, m):
+                                                                         w = f32(d) * code + f32(m)
+        (llama.cpp's legacy type, the embedded default's; read by the CPU's own kernel only, `CPU_FORMATS`)
   fp8   codes float8_e4m3fn [K] | scales float32 [K/128] (a checkpoint's 128 x 128 blocks, repeated per row):
                                                                          w = f32(code) * scale
   q4_k  codes uint8 [K/2] (four bits a column, in word order: below) | supers float16 [K/256, 2] (each 256
@@ -46,16 +49,18 @@ import torch
 # format -> (columns a scale covers, columns a super-block covers or 0, bits of a column's code)
 FORMATS = {
     "q8_0": (32, 0, 8),
+    "q4_1": (32, 0, 4),
     "fp8": (128, 0, 8),
     "q4_k": (32, 256, 4),
     "q5_k": (32, 256, 5),
     "q6_k": (16, 256, 6),
     "iq3_s": (32, 256, 3),
 }
-# the formats' numbers in the kernels (a constexpr); 0 is a plain weight
+# the formats' numbers in the Triton kernels (a constexpr); 0 is a plain weight. A format not here (q4_1) is kept
+# packed only where the CPU's own kernel reads it (`strata.kernels.cpu_packed`), dequantized at load elsewhere
 KERNEL_FORMAT = {"q8_0": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "iq3_s": 6}
 _CODE_DTYPE = {"q8_0": torch.int8, "fp8": torch.float8_e4m3fn}
-_SCALE_DTYPE = {"q8_0": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8, "q5_k": torch.uint8,
+_SCALE_DTYPE = {"q8_0": torch.float16, "q4_1": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8, "q5_k": torch.uint8,
                 "q6_k": torch.int8, "iq3_s": torch.uint8}
 
 
@@ -69,7 +74,7 @@ def part_sizes(fmt: str, k: int) -> dict[str, int]:
         sizes["high"] = k // 4
     if superblock:
         sizes["supers"] = k // superblock * (4 if fmt in ("q4_k", "q5_k") else 2)
-    sizes["scales"] = k // group * {"q8_0": 2, "fp8": 4, "q4_k": 2, "q5_k": 2, "q6_k": 1}[fmt]
+    sizes["scales"] = k // group * {"q8_0": 2, "q4_1": 4, "fp8": 4, "q4_k": 2, "q5_k": 2, "q6_k": 1}[fmt]
     if fmt == "q5_k":
         sizes["high"] = k // 8
     return sizes
@@ -112,9 +117,13 @@ class PackedWeight:
     """A weight of `shape` [..., N, K] packed in `fmt`, as row records `data` [..., N, row_bytes] (see the module).
 
     Made from its parts (`PackedWeight(fmt, shape, codes, scales, supers, high)`, each with the weight's leading
-    dimensions: codes [..., N, K or K/2], scales [..., N, K/group] (q4_k, q5_k: [..., N, K/32, 2]), supers
+    dimensions: codes [..., N, K or K/2], scales [..., N, K/group] (q4_1, q4_k, q5_k: [..., N, K/32, 2]), supers
     [..., N, K/256] (q4_k, q5_k: [..., N, K/256, 2]), high [..., N, K/8 or K/4]) or from `data`. `dtype`: the
-    activations' dtype, what a dequantized tile is rounded to."""
+    activations' dtype, what a dequantized tile is rounded to. `host_kernel`: read by the CPU's own kernel
+    (`strata.kernels.cpu_packed`) rather than the Triton kernels (a CPU stage on the torch path keeps its weights
+    packed for it); weights made from this one (rows, joins, copies) keep it."""
+
+    host_kernel = False
 
     def __init__(self, fmt: str, shape: tuple[int, ...], codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, supers: torch.Tensor | None = None,
@@ -170,7 +179,7 @@ class PackedWeight:
     @property
     def scales(self) -> torch.Tensor:
         scales = self._part("scales").view(_SCALE_DTYPE[self.fmt])
-        return scales.unflatten(-1, (-1, 2)) if self.fmt in ("q4_k", "q5_k") else scales
+        return scales.unflatten(-1, (-1, 2)) if self.fmt in ("q4_1", "q4_k", "q5_k") else scales
 
     @property
     def supers(self) -> torch.Tensor | None:
@@ -210,8 +219,11 @@ class PackedWeight:
     def data_ptr(self) -> int:
         return self.data.data_ptr()
 
-    def _with(self, data: torch.Tensor, shape: tuple[int, ...] | None = None) -> "PackedWeight":
-        return PackedWeight(self.fmt, shape or (*data.shape[:-1], self.shape[-1]), dtype=self.dtype, data=data)
+    def _with(self, data: torch.Tensor, shape: tuple[int, ...] | None = None,
+              dtype: torch.dtype | None = None) -> "PackedWeight":
+        out = PackedWeight(self.fmt, shape or (*data.shape[:-1], self.shape[-1]), dtype=dtype or self.dtype, data=data)
+        out.host_kernel = self.host_kernel
+        return out
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "PackedWeight":
         """On `device`; `dtype` changes only the dtype tiles are rounded to (the bytes stay as they are)."""
@@ -219,7 +231,7 @@ class PackedWeight:
         if self.fmt == "iq3_s":
             iq3s_grid(out.device)  # its table on the device now, not at a kernel's first launch (maybe in a capture)
         if dtype is not None:
-            out = PackedWeight(self.fmt, self.shape, dtype=dtype, data=out.data)
+            out = out._with(out.data, self.shape, dtype)
         return out
 
     def contiguous(self) -> "PackedWeight":
@@ -234,6 +246,11 @@ class PackedWeight:
         """Entries `index` along the leading (expert) dimension of a 3-D weight."""
         assert self.ndim == 3
         return self._with(self.data.index_select(0, index.to(self.device)))
+
+    def __getitem__(self, e: int) -> "PackedWeight":
+        """Entry e of the leading (expert) dimension: [E, N, K] -> [N, K] (a view of the records)."""
+        assert self.ndim >= 3 and isinstance(e, int)
+        return self._with(self.data[e])
 
     def reshape_rows(self, *lead: int) -> "PackedWeight":
         """The row dimensions regrouped: [N, K] -> [*lead, K] (prod(lead) = N), or back."""
@@ -291,6 +308,9 @@ def dequantize(w: PackedWeight | torch.Tensor) -> torch.Tensor:
     group, _, _ = FORMATS[w.fmt]
     if w.fmt == "q8_0":
         return _per_column(w.scales.float(), group) * w.codes.float()
+    if w.fmt == "q4_1":
+        d, m = w.scales.float().unbind(-1)  # [..., N, K/32]
+        return _per_column(d, group) * _nibbles(w.codes).float() + _per_column(m, group)
     if w.fmt == "fp8":
         return w.codes.float() * _per_column(w.scales.float(), group)
     if w.fmt in ("q4_k", "q5_k"):

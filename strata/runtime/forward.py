@@ -20,6 +20,7 @@ from strata.kernels.rope import apply_rope, rope_cos_sin
 from strata.model.rope_scaling import rope_frequencies
 from strata.model.spec import AttentionSpec, ModelSpec
 from strata.model.weights import StageWeights, Tensors
+from strata.quant.packed import PackedWeight
 from strata.runtime.window import Window
 
 
@@ -133,7 +134,9 @@ class Forward:
         self.mtp = dict(weights)
         vocab = self.mtp.get("draft_vocab")
         head = self.weights.lm_head
-        if vocab is not None:
+        if isinstance(head, PackedWeight) and vocab is not None:  # (the CPU kernel's packed head)
+            head = head.rows(vocab)
+        elif vocab is not None:
             head = onednn.dense(head)[vocab.to(self.device)].contiguous()
         self.mtp["head"] = head
         if onednn.is_blocked(self.weights.lm_head):  # a CPU stage on oneDNN's products: the MTP layer's too

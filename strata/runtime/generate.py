@@ -17,6 +17,7 @@ from strata.errors import PromptTooLong, StrataError
 from strata.experts.budget import check_expert_budget, set_pool_threads
 from strata.experts.hotness import MODES, refresh_layer
 from strata.experts.residency import place_experts, residency_by_device
+from strata.kernels import cpu_packed
 from strata.kernels.onednn import block_stage
 from strata.model.loader import ModelFiles
 from strata.model.spec import ModelSpec
@@ -139,10 +140,13 @@ class Engine:
             elif weights is not None:
                 w = place_experts(weights, resident, stage_device)
             else:
-                # the Triton kernels read quantized weights packed (`strata.kernels.packed`)
+                # the Triton kernels read quantized weights packed (`strata.kernels.packed`), and so does a CPU
+                # stage's own kernel on the torch path (`strata.kernels.cpu_packed`) where it can be had
+                host = kernels == "torch" and stage_device.type == "cpu" and cpu_packed.available()
                 w = files.load(stage_device, dtype, layers, trim=trim_stage_weights, resident=resident,
-                               packed=kernels == "triton" and not dequantize_weights,
-                               split_packed=expert_residency != "hot")  # hot residency swaps plain experts
+                               packed=(kernels == "triton" or host) and not dequantize_weights,
+                               split_packed=expert_residency != "hot",  # hot residency swaps plain experts
+                               packed_kernels="cpu" if host else "triton")
                 if kernels == "torch" and stage_device.type == "cpu":  # oneDNN's products (`strata.kernels.onednn`)
                     block_stage(w, dtype)
             graphs = cuda_graphs and kernels == "triton" and stage_device.type == "cuda"
