@@ -43,7 +43,7 @@ def folders(tmp_path_factory):
     build("qwen3_moe-gqa4", base, **SIZES)
     tensors = load_file(base / "model.safetensors")
     twins = {}
-    for fmt in ("q4_k", "q8_0"):
+    for fmt in ("q4_k", "q8_0", "q5_k"):
         twin = tmp_path_factory.mktemp(fmt)
         for f in base.iterdir():
             if f.name != "model.safetensors":
@@ -63,7 +63,7 @@ def greedy(engine: Engine, n: int = 4) -> list[int]:
     return engine.generate(PROMPT, n).ids
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q5_k"])  # q5_k: a format the CPU's kernel does not read (written out)
 def test_torch_path_is_the_quantized_checkpoint(folders, fmt):
     base, twins = folders
     quantized = Engine(ModelFiles.open(base, fmt), dtype=torch.float32, kernels="torch", max_cells=64)
@@ -74,6 +74,14 @@ def test_torch_path_is_the_quantized_checkpoint(folders, fmt):
     # twin's float weights): float32 rounding apart, the same answer
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    from strata.kernels import cpu_packed
+
+    qkv = quantized.weights.layers[0]["qkv"]
+    if fmt in cpu_packed.FORMATS and cpu_packed.available():
+        assert isinstance(qkv, PackedWeight) and qkv.fmt == fmt and qkv.host_kernel
+    else:  # its quantized values written out: the twin's weights, bit for bit
+        assert isinstance(qkv, torch.Tensor)
+        assert torch.equal(got, want)
     assert not torch.equal(got, original)  # the quantization did change the weights
     import transformers
 

@@ -102,11 +102,11 @@ class _Reader:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} is missing from the checkpoint")
         w = self.ckpt.load_packed(name, self.dtype)
         kind = self.ckpt.qtype_name(name)
-        if w is None or (keep and w.fmt not in self.formats):  # (a format these kernels do not read)
+        if w is None:
             self.dequantized[kind] += 1
             return self.get(name, shape, device=device)
         self._check_shape(name, w, shape)
-        if not keep:
+        if not keep or w.fmt not in self.formats:  # (a format these kernels do not read: its values written out)
             self.dequantized[kind] += 1
             return self.plain(w).to(device or self.device).contiguous()
         return self._kept(w, kind, device)
@@ -359,10 +359,10 @@ def load_stage_weights(
             if not spec.tie_embeddings:
                 raise CheckpointError(f"{ckpt.path}: tensor 'lm_head.weight' is missing and the config does not tie embeddings")
             weights.lm_head = weights.embed
-            if r.host_kernel and r.packed:  # the CPU kernel reads the head packed; lookups read the plain table
-                head = r.matrix(f"{pre}embed_tokens.weight", embed_shape)
-                if isinstance(head, PackedWeight):
-                    weights.lm_head = head
+            table = f"{pre}embed_tokens.weight"
+            if r.host_kernel and r.packed and getattr(r.ckpt, "packed_format", lambda _: None)(table) in r.formats:
+                weights.lm_head = r.matrix(table, embed_shape)  # the CPU kernel reads the head packed; the
+                # embedding's lookups read the plain table
         else:
             weights.lm_head = r.matrix("lm_head.weight", embed_shape)
         weights.mtp = {n: r.get(n, dtype=torch.int64 if n == "mtp.draft_vocab" else None)
