@@ -573,3 +573,10 @@ def test_the_default_models_mtp_head_drafts_what_the_model_writes(default_engine
     counts = engine.solo_slots().spec_counts
     first = engine.solo_slots().spec_accepted_per_pos[0] / counts["drafts"]
     assert counts["drafts"] >= 10 and first >= 0.1, (counts, first)
+    # on the CPU's torch kernels the MTP layer's float matrices run on oneDNN's products, as the model's do, also
+    # where the model's head is packed for the CPU's own kernel (its draft rows kept packed)
+    mtp = engine.stages[-1].forward.mtp
+    assert all(mtp[k].is_mkldnn for k in ("fc", "qkv", "o", "gate_up", "down")), {k: type(v) for k, v in mtp.items()}
+    head = engine.weights.lm_head
+    assert getattr(head, "host_kernel", False) == (getattr(mtp["head"], "host_kernel", False))
+    assert tuple(mtp["head"].shape) == (8192, head.shape[1])

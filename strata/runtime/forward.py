@@ -133,13 +133,13 @@ class Forward:
         the LM head (all of them without one)."""
         self.mtp = dict(weights)
         vocab = self.mtp.get("draft_vocab")
-        head = self.weights.lm_head
-        if isinstance(head, PackedWeight) and vocab is not None:  # (the CPU kernel's packed head)
-            head = head.rows(vocab)
-        elif vocab is not None:
-            head = onednn.dense(head)[vocab.to(self.device)].contiguous()
+        lm_head = head = self.weights.lm_head
+        if vocab is not None:  # (a packed head: the CPU kernel's, its rows kept packed)
+            head = (lm_head.rows(vocab) if isinstance(lm_head, PackedWeight)
+                    else onednn.dense(lm_head)[vocab.to(self.device)].contiguous())
         self.mtp["head"] = head
-        if onednn.is_blocked(self.weights.lm_head):  # a CPU stage on oneDNN's products: the MTP layer's too
+        if onednn.is_blocked(lm_head) or getattr(lm_head, "host_kernel", False):  # a CPU stage on the torch
+            # kernels: the MTP layer's float matrices on oneDNN's products too
             onednn.block_matrices(self.mtp, onednn.MTP_MATRICES, self.dtype)
         if self.fast is not None:  # the Triton decode windows return their rows' final hidden states as well
             getattr(self.fast, "decode", self.fast).keep_hidden = True
