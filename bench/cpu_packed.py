@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cpu_experts import best  # noqa: E402 (the fastest of a few timed runs)
 from strata.kernels import cpu_packed, onednn  # noqa: E402
 from strata.quant import gguf_blocks  # noqa: E402
 from strata.quant.packed import PackedWeight, dequantize  # noqa: E402
@@ -37,16 +37,6 @@ T = gguf.GGMLQuantizationType
 LAYERS = 30
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD = (49152, 576)
-
-
-def best(f, repeats: int = 7) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def read_gbps() -> float:

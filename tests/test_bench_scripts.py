@@ -41,6 +41,25 @@ def test_cpu_experts_bench_runs_and_its_kernel_is_right(capsys, monkeypatch):
         assert float(line[5]) < 1e-2 and line[6] == "True", line
 
 
+def test_cpu_packed_bench_runs(capsys, monkeypatch):
+    """bench/cpu_packed.py: the default's matrices packed at one row, timed on the kernel at each width this CPU has
+    and on oneDNN over the same weights written out (or a line saying why not, where the kernel cannot run)."""
+    from strata.kernels import cpu_packed
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    spec = importlib.util.spec_from_file_location("bench_cpu_packed_run", BENCH / "cpu_packed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--rows", "1"])
+    out = capsys.readouterr().out
+    if not cpu_packed.available():
+        assert "not available" in out
+        return
+    assert "a token reads 98 MB packed, 538 MB as float32" in out, out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert all(float(v) > 0 for v in row[1:5] if v != "nan"), row
+
+
 def test_serve_bench_measures_a_pooled_engine_through_http_and_in_process(tmp_path, capsys, monkeypatch):
     """bench/serve.py with --expert-budget-gb (issue 29 through the server): a tiny Qwen3-MoE checkpoint with half its
     experts in host RAM, served by `strata serve` and run in process with the same settings; every stream answers,
