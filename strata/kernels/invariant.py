@@ -80,7 +80,8 @@ def row_block(dtype: torch.dtype) -> int:
 
 def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """fn(x, ...) computed on zero-padded blocks of rows of x [R, ...]; fn must work row by row and
-    return a tensor or a tuple of tensors with one row per input row."""
+    return a tensor or a tuple of tensors with one row per input row. Over weights packed for the CPU's own kernel,
+    which sums each row alone whatever the rows beside it, in parts of at most its KERNEL_ROWS rows, unpadded."""
     rows = x.shape[0]
     if _summed_alone(args):  # the CPU's own packed kernel sums every row alone at any count: no padding, and
         # parts of rows it takes whole (more rows would be written out and multiplied otherwise)

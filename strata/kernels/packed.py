@@ -392,8 +392,9 @@ def grid_words(w: PackedWeight | torch.Tensor) -> torch.Tensor:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a weight that may be packed (written out in x's dtype first: the prompt windows' products) or
-    in oneDNN's blocked layout (a CPU stage's, `strata.kernels.onednn`)."""
+    """F.linear over a weight that may be packed (written out in x's dtype first: the prompt windows' products; a CPU
+    stage's, `host_kernel`, on the CPU's own kernel, `strata.kernels.cpu_packed`) or in oneDNN's blocked layout (a
+    CPU stage's plain matrices, `strata.kernels.onednn`)."""
     if onednn.is_blocked(weight):
         return onednn.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
