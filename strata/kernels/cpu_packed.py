@@ -70,6 +70,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
     lib.cpu_packed_linear.restype = ctypes.c_int
     lib.cpu_packed_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.cpu_packed_dequantize.restype = ctypes.c_int
+    lib.cpu_packed_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
+    lib.cpu_packed_rms_norm.restype = None
     lanes = lib.cpu_packed_wide(0 if os.environ.get("STRATA_CPU_PACKED_WIDE") == "0" else -1)  # -1: the widest
     log.info("packed weights on the CPU: products %d lanes wide", lanes)
     return lib, ""
@@ -159,3 +161,17 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
                                      torch.get_num_threads()):
         raise MemoryError("cpu_packed.dequantize: no memory for its buffers")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows' residual add and RMSNorm in one call (a CPU stage whose products run on the kernel): x, delta
+    [R, D] float32, weight [D] float32 -> (norm(x + delta) * weight, x + delta); each row on its own, whatever R."""
+    x = x.contiguous()
+    r, d = x.shape
+    delta = None if delta is None else delta.contiguous()
+    weight = weight.contiguous()
+    summed, out = torch.empty(r, d), torch.empty(r, d)
+    _load().cpu_packed_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, r,
+                                d, summed.data_ptr(), out.data_ptr())
+    return out, summed

@@ -11,7 +11,7 @@ from strata.kernels.attention import attention
 from strata.kernels.deferred import PairSum
 from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
-from strata.kernels import onednn
+from strata.kernels import cpu_packed, onednn
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, decode_tiles, moe, moe_triton, swiglu
 from strata.kernels.packed import project
@@ -50,6 +50,10 @@ class Forward:
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
         self.add_norm = None  # residual add + norm in one pass for prompt windows (None: the add, then self.norm)
+        # a CPU stage whose products run on the CPU's own kernel (`strata.kernels.cpu_packed`) adds and norms its
+        # decode rows there too: one call, no padding to a block of rows (each row on its own whatever the rows)
+        self.host_norm = dtype == torch.float32 and kernels == "torch" and any(
+            getattr(w, "host_kernel", False) for layer in weights.layers.values() for w in layer.values())
         self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
         self.gdn_gates = gdn_gates  # a GDN block's decay and beta from its projections
         self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
@@ -113,6 +117,8 @@ class Forward:
         pass, finishing a block's deferred output (the MoE's pairs) as they load it."""
         if delta is not None and self.add_norm is not None and rows is plain:
             return self.add_norm(delta, x, weight, self.spec.rms_eps)
+        if self.host_norm and rows is not plain:
+            return cpu_packed.rms_norm(x, weight, self.spec.rms_eps, None if delta is None else _finished(delta))
         if delta is not None:
             x = x + _finished(delta)
         return rows(self.norm, x, weight, self.spec.rms_eps), x
