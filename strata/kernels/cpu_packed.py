@@ -11,7 +11,9 @@ over float32 weights; 10.7 / 14.4 against 16.2 ms at 8 rows; from a few rows on 
 are the limit, and at 32 rows oneDNN is faster (28 against 42 ms).
 
 `linear` serves decode windows and small prompt windows; for a window of many rows `dequantize` (bit for bit
-`strata.quant.packed.dequantize`, threaded) and a float GEMM may be faster.
+`strata.quant.packed.dequantize`, threaded) and a float GEMM may be faster (`project` chooses). A stage whose
+products run here also adds and norms its decode rows here (`rms_norm`: one call, each row on its own), which took
+a seventh off the default's decode step (torch's norm ops over rows padded to a block cost 1 ms a token).
 
 It needs an x86-64 CPU with AVX2, FMA and F16C (x86-64-v3). Where the CPU has AVX-512 the products run 16 lanes
 wide (`use_wide`; STRATA_CPU_PACKED_WIDE=0 keeps 8): each width sums in its own fixed order, so a process keeps one.
