@@ -40,19 +40,14 @@ SCHEDULES = {"static": (0, 0), "dynamic": (1, 1)}
 PHASES = ("bookkeeping", "wake-up", "gate_up", "down", "sums")
 
 
-def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The first CPU's flags in `cpuinfo` (none off x86-64, or where it cannot be read)."""
-    return native_build.cpu_flags(cpuinfo)
-
-
 def cpu_has_bf16_dots(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the CPU has AVX512_BF16 dot products, which the kernel needs (autoconfig reads it too)."""
-    return "avx512_bf16" in _cpu_flags(cpuinfo)
+    return "avx512_bf16" in native_build.cpu_flags(cpuinfo)
 
 
 def amx_available() -> bool:
     """Whether this CPU has AMX's bf16 tiles (`amx_tile`, `amx_bf16`)."""
-    return {"amx_tile", "amx_bf16"} <= _cpu_flags()
+    return {"amx_tile", "amx_bf16"} <= native_build.cpu_flags()
 
 
 def use_amx(on: bool, prefetch: int = 256) -> bool:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import native_build
+from strata.kernels import native_build, onednn
 from strata.quant.packed import PackedWeight
 
 log = logging.getLogger("strata.engine")
@@ -47,7 +47,6 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-
 CPU_FLAGS = {"avx2", "fma", "f16c"}
 FORMATS = ("q8_0", "q4_1", "q4_k", "q6_k")  # in the kernel's numbering
 _INDEX = {fmt: i for i, fmt in enumerate(FORMATS)}
-_ALIGN = {"q8_0": 32, "q4_1": 32, "q4_k": 256, "q6_k": 256}  # K a multiple of this
 
 
 def build(out: Path) -> str | None:
@@ -103,7 +102,7 @@ def use_wide(on: bool) -> int:
 def serves(w) -> bool:
     """Whether `linear` and `dequantize` take `w`: a 2-D packed weight on the CPU in one of FORMATS."""
     return (isinstance(w, PackedWeight) and w.ndim == 2 and w.device.type == "cpu" and w.fmt in FORMATS
-            and w.shape[-1] % _ALIGN[w.fmt] == 0 and w.data.is_contiguous() and available())
+            and w.data.is_contiguous() and available())  # (K fits the format's blocks: `PackedWeight` checks it)
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,8 +144,6 @@ def project(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) 
     if rows <= KERNEL_ROWS:
         y = linear(xf, w, bias)
     else:
-        from strata.kernels import onednn
-
         plain = dequantize(w)
         bias32 = None if bias is None else bias.float()
         y = onednn.linear(xf, plain, bias32) if onednn.available(torch.float32) else F.linear(xf, plain, bias32)

@@ -27,6 +27,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.cpu_packed import KERNEL_ROWS
+from strata.quant.packed import PackedWeight
+
 CANDIDATES = (1, 2, 3, 4, 8)
 WITHIN = 1.3  # a block may cost this much more than one row
 _blocks: dict[torch.dtype, int] = {}
@@ -85,8 +88,6 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
     rows = x.shape[0]
     if _summed_alone(args):  # the CPU's own packed kernel sums every row alone at any count: no padding, and
         # parts of rows it takes whole (more rows would be written out and multiplied otherwise)
-        from strata.kernels.cpu_packed import KERNEL_ROWS
-
         block = KERNEL_ROWS
     else:
         block = row_block(x.dtype) if x.device.type == "cpu" else (3 if x.dtype == torch.float32 else 8)
@@ -101,8 +102,8 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
 def _summed_alone(args) -> bool:
     """Whether fn's weights (its arguments after x) are all packed for the CPU's own kernel
     (`strata.kernels.cpu_packed`), whose products sum each row on its own whatever the rows beside it."""
-    weights = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 or hasattr(a, "host_kernel")]
-    return bool(weights) and all(getattr(w, "host_kernel", False) for w in weights)
+    weights = [a for a in args if isinstance(a, PackedWeight) or isinstance(a, torch.Tensor) and a.dim() >= 2]
+    return bool(weights) and all(isinstance(w, PackedWeight) and w.host_kernel for w in weights)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

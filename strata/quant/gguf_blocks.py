@@ -194,7 +194,8 @@ def _iq3_s(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_bytes(d), qs, qh, signs, scales], -1)
 
 
-_QUANTIZERS = {T.IQ3_S: _iq3_s, T.Q8_0: _q8_0, T.Q4_1: _q4_1, T.Q4_K: lambda x: _q45_k(x, 4), T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
+_QUANTIZERS = {T.IQ3_S: _iq3_s, T.Q8_0: _q8_0, T.Q4_1: _q4_1, T.Q4_K: lambda x: _q45_k(x, 4),
+               T.Q5_K: lambda x: _q45_k(x, 5), T.Q6_K: _q6_k}
 
 
 def quantize(w: torch.Tensor, qtype: GGMLQuantizationType | int) -> torch.Tensor:

@@ -7,7 +7,7 @@ one record of bytes, `data` [..., N, row_bytes] uint8, holding the row's parts o
   q8_0  codes int8 [K] | scales float16 [K/32]:                          w = f32(scale) * code
   q4_1  codes uint8 [K/2] (four bits a column, in column order) | scales float16 [K/32, 2] (each 32 columns' d, m):
                                                                          w = f32(d) * code + f32(m)
-        (llama.cpp's legacy type, the embedded default's; read by the CPU's own kernel only, `CPU_FORMATS`)
+        (llama.cpp's legacy type, the embedded default's; read by the CPU's own kernel only: its `FORMATS`)
   fp8   codes float8_e4m3fn [K] | scales float32 [K/128] (a checkpoint's 128 x 128 blocks, repeated per row):
                                                                          w = f32(code) * scale
   q4_k  codes uint8 [K/2] (four bits a column, in word order: below) | supers float16 [K/256, 2] (each 256
@@ -60,8 +60,8 @@ FORMATS = {
 # packed only where the CPU's own kernel reads it (`strata.kernels.cpu_packed`), dequantized at load elsewhere
 KERNEL_FORMAT = {"q8_0": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "iq3_s": 6}
 _CODE_DTYPE = {"q8_0": torch.int8, "fp8": torch.float8_e4m3fn}
-_SCALE_DTYPE = {"q8_0": torch.float16, "q4_1": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8, "q5_k": torch.uint8,
-                "q6_k": torch.int8, "iq3_s": torch.uint8}
+_SCALE_DTYPE = {"q8_0": torch.float16, "q4_1": torch.float16, "fp8": torch.float32, "q4_k": torch.uint8,
+                "q5_k": torch.uint8, "q6_k": torch.int8, "iq3_s": torch.uint8}
 
 
 def part_sizes(fmt: str, k: int) -> dict[str, int]:
