@@ -33,6 +33,9 @@ RUN python -P -c "import sys; from strata.experts import native; sys.exit(native
 # the CPU's products over packed weights (GGUF checkpoints on the CPU), built for AVX2 likewise; a CPU without
 # AVX2/FMA/F16C dequantizes at load (strata/kernels/cpu_packed.py)
 RUN python -P -c "import sys; from strata.kernels import cpu_packed; sys.exit(cpu_packed.build(cpu_packed.SHIPPED))"
+# the CPU stage's decode-row work between its products (norms, rotary, K/V append, attention), AVX2 likewise; without
+# it those rows run torch's ops (strata/kernels/cpu_decode.py)
+RUN python -P -c "import sys; from strata.kernels import cpu_decode; sys.exit(cpu_decode.build(cpu_decode.SHIPPED))"
 # Triton compiles a small C helper (cuda_utils) the first time it launches a kernel, which would need gcc and
 # the Python headers at run time; from Triton 3.8 every kernel launches through that one helper (older
 # versions compiled a launcher per kernel). Compile it here, against the driver stub, into the cache that the

@@ -132,25 +132,3 @@ def test_a_kernel_that_cannot_be_built_is_said_once_and_not_raised(tmp_path, mon
         monkeypatch.undo()
     assert cpu_packed.available()
 
-
-@pytest.mark.parametrize("d", [576, 100])
-def test_the_decode_rows_norm_is_the_float64_norm_and_each_row_its_own(d):
-    """`rms_norm`: the residual add written out exactly, the norm near float64's, a row alone bitwise itself among
-    any rows; without a delta, x itself."""
-    torch.manual_seed(3)
-    x, delta, w = torch.randn(9, d), torch.randn(9, d), torch.rand(d) + 0.5
-    out, summed = cpu_packed.rms_norm(x, w, 1e-6, delta)
-    assert torch.equal(summed, x + delta)
-    s = (x + delta).double()
-    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-    assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-6
-    for r in (0, 4, 8):
-        alone, _ = cpu_packed.rms_norm(x[r:r + 1], w, 1e-6, delta[r:r + 1])
-        assert torch.equal(alone[0], out[r])
-    plain, same = cpu_packed.rms_norm(x, w, 1e-6)
-    assert torch.equal(same, x) and torch.equal(plain[2], cpu_packed.rms_norm(x[2:3], w, 1e-6)[0][0])
-
-
-def test_a_packed_cpu_stage_norms_its_decode_rows_on_the_kernel(default_engine):
-    forward = default_engine.stages[0].forward
-    assert forward.host_norm  # the default's matrices are packed for the kernel (test_default_model.py)

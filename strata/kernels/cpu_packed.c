@@ -421,37 +421,3 @@ int cpu_packed_dequantize(int fmt, const uint8_t *w, int64_t N, int64_t K, int64
     }
     return failed ? -1 : 0;
 }
-
-/* The decode rows' RMSNorm beside their products: a CPU stage whose products run here runs its residual adds and
-   norms here too, one call a norm with no padding to a block of rows. For each of the R rows of D floats:
-   s = x + delta (delta may be NULL; s written to `sum`), out = (s * (1 / sqrt(mean(s * s) + eps))) * w, the squares
-   summed in 8 fixed lanes and one fixed tree (no row depends on another, nor on R). */
-void cpu_packed_rms_norm(const float *x, const float *delta, const float *w, float eps, int64_t R, int64_t D,
-                         float *sum, float *out) {
-    for (int64_t r = 0; r < R; r++) {
-        const float *xr = x + r * D, *dr = delta ? delta + r * D : NULL;
-        float *sr = sum + r * D, *orow = out + r * D;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= D; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            if (dr)
-                v = _mm256_add_ps(v, _mm256_loadu_ps(dr + i));
-            _mm256_storeu_ps(sr + i, v);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-        }
-        float ss = hsum(acc);
-        for (; i < D; i++) {
-            float v = dr ? xr[i] + dr[i] : xr[i];
-            sr[i] = v;
-            ss += v * v;
-        }
-        const float inv = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(ss / (float)D + eps)));
-        const __m256 scale = _mm256_set1_ps(inv);
-        for (i = 0; i + 8 <= D; i += 8)
-            _mm256_storeu_ps(orow + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + i), scale),
-                                                     _mm256_loadu_ps(w + i)));
-        for (; i < D; i++)
-            orow[i] = (sr[i] * inv) * w[i];
-    }
-}

@@ -11,9 +11,8 @@ over float32 weights; 10.7 / 14.4 against 16.2 ms at 8 rows; from a few rows on 
 are the limit, and at 32 rows oneDNN is faster (28 against 42 ms).
 
 `linear` serves decode windows and small prompt windows; for a window of many rows `dequantize` (bit for bit
-`strata.quant.packed.dequantize`, threaded) and a float GEMM may be faster (`project` chooses). A stage whose
-products run here also adds and norms its decode rows here (`rms_norm`: one call, each row on its own), which took
-a seventh off the default's decode step (torch's norm ops over rows padded to a block cost 1 ms a token).
+`strata.quant.packed.dequantize`, threaded) and a float GEMM may be faster (`project` chooses). The decode rows'
+work between the products is `strata.kernels.cpu_decode`'s.
 
 It needs an x86-64 CPU with AVX2, FMA and F16C (x86-64-v3). Where the CPU has AVX-512 the products run 16 lanes
 wide (`use_wide`; STRATA_CPU_PACKED_WIDE=0 keeps 8): each width sums in its own fixed order, so a process keeps one.
@@ -71,8 +70,6 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
     lib.cpu_packed_linear.restype = ctypes.c_int
     lib.cpu_packed_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.cpu_packed_dequantize.restype = ctypes.c_int
-    lib.cpu_packed_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
-    lib.cpu_packed_rms_norm.restype = None
     lanes = lib.cpu_packed_wide(0 if os.environ.get("STRATA_CPU_PACKED_WIDE") == "0" else -1)  # -1: the widest
     log.info("packed weights on the CPU: products %d lanes wide", lanes)
     return lib, ""
@@ -161,16 +158,3 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
         raise MemoryError("cpu_packed.dequantize: no memory for its buffers")
     return out
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode rows' residual add and RMSNorm in one call (a CPU stage whose products run on the kernel): x, delta
-    [R, D] float32, weight [D] float32 -> (norm(x + delta) * weight, x + delta); each row on its own, whatever R."""
-    x = x.contiguous()
-    r, d = x.shape
-    delta = None if delta is None else delta.contiguous()
-    weight = weight.contiguous()
-    summed, out = torch.empty(r, d), torch.empty(r, d)
-    _load().cpu_packed_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, r,
-                                d, summed.data_ptr(), out.data_ptr())
-    return out, summed

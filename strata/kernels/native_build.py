@@ -1,4 +1,5 @@
-"""Building and loading the project's own C kernels (`strata/experts/experts_bf16.c`, `strata/kernels/cpu_packed.c`).
+"""Building and loading the project's own C kernels (`strata/experts/experts_bf16.c`, `strata/kernels/cpu_packed.c`,
+`strata/kernels/cpu_decode.c`).
 
 A kernel is compiled with gcc for the instructions it names in its flags (not -march=native), so a library built
 once runs on any CPU that has them: an image ships it built beside its source (`shipped`, made by the Dockerfile

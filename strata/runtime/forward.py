@@ -11,7 +11,7 @@ from strata.kernels.attention import attention
 from strata.kernels.deferred import PairSum
 from strata.kernels.elementwise import gdn_gates
 from strata.kernels.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step
-from strata.kernels import cpu_packed, onednn
+from strata.kernels import cpu_decode, onednn
 from strata.kernels.invariant import in_row_blocks, plain
 from strata.kernels.moe import combine_triton, decode_tiles, moe, moe_triton, swiglu
 from strata.kernels.packed import project
@@ -50,10 +50,10 @@ class Forward:
         self.attend = attention  # a sequence's rows over its cells, in prompt windows
         self.norm = rms_norm  # per row vector: row-invariant in both forms
         self.add_norm = None  # residual add + norm in one pass for prompt windows (None: the add, then self.norm)
-        # a CPU stage whose products run on the CPU's own kernel (`strata.kernels.cpu_packed`) adds and norms its
-        # decode rows there too: one call, no padding to a block of rows (each row on its own whatever the rows)
-        self.host_norm = dtype == torch.float32 and kernels == "torch" and any(
-            getattr(w, "host_kernel", False) for layer in weights.layers.values() for w in layer.values())
+        # a CPU stage runs its decode rows' residual adds and norms, and their attention blocks, in C
+        # (`strata.kernels.cpu_decode`): one call each a layer, no padding to a block of rows, each row on its own
+        self.host_decode = (torch.device(device).type == "cpu" and dtype == torch.float32 and kernels == "torch"
+                            and cpu_decode.available())
         self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
         self.gdn_gates = gdn_gates  # a GDN block's decay and beta from its projections
         self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
@@ -94,8 +94,9 @@ class Forward:
 
     def layers(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         positions = window.positions.to(self.device)
+        cos_sin = None
         if self.rotate is None:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
+            cos, sin = cos_sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.rope_scale)
             turn = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         else:
             turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim,  # noqa: E731
@@ -105,7 +106,7 @@ class Forward:
         for i, w in self.weights.layers.items():
             h, x = self._add_norm(delta, x, w["attn_norm"], rows)
             if self.spec.layers[i].mixer == "attention":
-                delta = self._attention(i, w, h, window, turn, rows, positions)
+                delta = self._attention(i, w, h, window, turn, rows, positions, cos_sin)
             else:
                 delta = self._gdn(i, w, h, window, rows)
             h, x = self._add_norm(delta, x, w["mlp_norm"], rows)
@@ -117,8 +118,8 @@ class Forward:
         pass, finishing a block's deferred output (the MoE's pairs) as they load it."""
         if delta is not None and self.add_norm is not None and rows is plain:
             return self.add_norm(delta, x, weight, self.spec.rms_eps)
-        if self.host_norm and rows is not plain:
-            return cpu_packed.rms_norm(x, weight, self.spec.rms_eps, None if delta is None else _finished(delta))
+        if self.host_decode and rows is not plain:
+            return cpu_decode.rms_norm(x, weight, self.spec.rms_eps, None if delta is None else _finished(delta))
         if delta is not None:
             x = x + _finished(delta)
         return rows(self.norm, x, weight, self.spec.rms_eps), x
@@ -229,11 +230,30 @@ class Forward:
         return self.head(x, window) if self.weights.final_norm is not None else x
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows,
-                   positions: torch.Tensor) -> torch.Tensor:
-        """positions: the window's on this stage's device, as `layers` holds them (read once per window)."""
+                   positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """positions: the window's on this stage's device, as `layers` holds them (read once per window); cos_sin:
+        the window's rotary factors where `turn` is the torch reference's."""
         a = self.spec.attention
         r = x.shape[0]
-        q, k, v, gate = split_qkv(a, rows(project, x, w["qkv"], w.get("qkv_bias")))
+        qkv = rows(project, x, w["qkv"], w.get("qkv_bias"))
+        pool = window.pool
+        if (self.host_decode and rows is not plain and cos_sin is not None and pool is not None
+                and cpu_decode.takes(pool.k[i], pool.v[i], a.head_dim)):  # one C call: norms, rotary, append, attend
+            out = cpu_decode.attention(qkv, a.num_heads, a.num_kv_heads, a.head_dim, a.output_gate, *cos_sin,
+                                       w.get("q_norm") if a.qk_norm else None, w.get("k_norm") if a.qk_norm else None,
+                                       self.spec.rms_eps, pool.k[i], pool.v[i], window.seq_ids, positions, self.scale)
+            gate = split_qkv(a, qkv)[3]
+        else:
+            out, gate = self._attend_rows(i, w, a, qkv, window, turn, rows, positions)
+        out = out.reshape(r, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(r, -1))
+        return rows(project, out, w["o"])
+
+    def _attend_rows(self, i: int, w: Tensors, a: AttentionSpec, qkv: torch.Tensor, window: Window, turn, rows,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention between the qkv and o products on torch's ops: (its output [R, H, D], the gate or None)."""
+        q, k, v, gate = split_qkv(a, qkv)
         if a.qk_norm:
             q = rows(self.norm, q, w["q_norm"], self.spec.rms_eps)
             k = rows(self.norm, k, w["k_norm"], self.spec.rms_eps)
@@ -246,10 +266,7 @@ class Forward:
             k_cells[seg.first_pos : end] = k[seg_rows]
             v_cells[seg.first_pos : end] = v[seg_rows]
             outs.append(self.attend(q[seg_rows], k_cells[:end], v_cells[:end], positions[seg_rows], self.scale))
-        out = _joined(outs).reshape(r, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(r, -1))
-        return rows(project, out, w["o"])
+        return _joined(outs), gate
 
     def _gdn(self, i: int, w: Tensors, x: torch.Tensor, window: Window, rows) -> torch.Tensor:
         g = self.spec.gdn

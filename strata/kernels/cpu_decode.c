@@ -1,0 +1,190 @@
+/* The decode rows' work between a CPU stage's products (strata/kernels/cpu_decode.py builds and calls it): the
+   residual add and RMSNorm, and the attention block (q/k norms, rotary, the K/V append, attention over the cells),
+   one call each a layer instead of some hundred small torch ops (which cost a CPU stage of SmolLM2-135M more than
+   its products did).
+
+   Row invariance: every output is computed by one thread in one fixed order from its own row's inputs and its own
+   sequence's cells, whatever the other rows of the window are and however the work is shared among threads. Built
+   for AVX2 + FMA (x86-64-v3), with -ffp-contract=off: no multiply-add the source does not write. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* s = x + delta (delta may be NULL; s written to `sum`, which may be x itself), out = (s * (1 / sqrt(mean(s * s) +
+   eps))) * w: the squares summed in 8 fixed lanes and one fixed tree. */
+static void norm_row(const float *x, const float *delta, const float *w, float eps, int64_t D, float *sum,
+                     float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (delta)
+            v = _mm256_add_ps(v, _mm256_loadu_ps(delta + i));
+        _mm256_storeu_ps(sum + i, v);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float ss = hsum(acc);
+    for (; i < D; i++) {
+        float v = delta ? x[i] + delta[i] : x[i];
+        sum[i] = v;
+        ss += v * v;
+    }
+    const float inv = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(ss / (float)D + eps)));
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sum + i), scale),
+                                                _mm256_loadu_ps(w + i)));
+    for (; i < D; i++)
+        out[i] = (sum[i] * inv) * w[i];
+}
+
+/* For each of the R rows of D floats: sum = x + delta, out = norm(sum) * w (a residual add and the next norm). */
+void cpu_decode_rms_norm(const float *x, const float *delta, const float *w, float eps, int64_t R, int64_t D,
+                         float *sum, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        norm_row(x + r * D, delta ? delta + r * D : NULL, w, eps, D, sum + r * D, out + r * D);
+}
+
+/* One head vector of D floats into `out`: its RMSNorm (norm_w not NULL), then the rotate-half rotary over its
+   first `rot` dims with this row's cos and sin [rot]: out[j] = x[j] * cos[j] + (-x[j + half]) * sin[j],
+   out[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half] (torch's roundings: a product each, then the
+   sum); the dims past `rot` as they are. */
+static void prepare_head(const float *x, const float *norm_w, float eps, int D, int rot, const float *cos,
+                         const float *sin, float *tmp, float *out) {
+    const float *v = x;
+    if (norm_w) {
+        norm_row(x, NULL, norm_w, eps, D, out, tmp);  /* `out` holds the copy of x the norm writes beside it */
+        v = tmp;
+    }
+    const int half = rot / 2;
+    for (int j = 0; j < half; j++) {
+        float a = v[j], b = v[j + half];
+        float lo = a * cos[j] + (-b) * sin[j];
+        float hi = b * cos[j + half] + a * sin[j + half];
+        out[j] = lo;
+        out[j + half] = hi;
+    }
+    for (int j = rot; j < D; j++)
+        out[j] = v[j];
+}
+
+/* Decode rows' attention block, between the qkv and the o products. Row r of qkv [R][qkv_stride] holds H query heads
+   (head h at h * q_head_stride: D floats, then its output gate's when q_head_stride is 2 D), then Hkv key heads and
+   Hkv value heads of D floats. Row r is at position pos[r] of sequence seq[r], whose cells are
+   k_pool / v_pool + seq * s_seq + cell * s_cell (floats; a cell's heads D apart). First every row's key (normed by
+   k_norm where given, turned) and value are written to cell pos[r]; then each query head (normed by q_norm where
+   given, turned) attends to cells 0..pos[r] of its sequence, its K/V head h / (H / Hkv): score = (q . k) * scale,
+   out [R][H][D] = (sum over cells of exp(score - max) * V) / (sum of exp(score - max)). D is a multiple of 8. Rows of one sequence may share
+   a window (drafts: consecutive positions), as every row's cell is written before any row attends. Returns 1 where
+   a buffer could not be had, else 0. */
+int cpu_decode_attention(const float *qkv, int64_t R, int64_t qkv_stride, int H, int Hkv, int D, int q_head_stride,
+                         int rot, const float *cos, const float *sin, const float *q_norm, const float *k_norm,
+                         float eps, float *k_pool, float *v_pool, int64_t s_seq, int64_t s_cell, const int32_t *seq,
+                         const int64_t *pos, float scale, float *out, int threads) {
+    const int G = H / Hkv;
+    const int64_t k_off = (int64_t)H * q_head_stride, v_off = k_off + (int64_t)Hkv * D;
+    int64_t most = 0;
+    for (int64_t r = 0; r < R; r++)
+        most = pos[r] + 1 > most ? pos[r] + 1 : most;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tmp = malloc(sizeof(float) * (2 * (size_t)D + (size_t)most));
+        if (!tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < R * Hkv; t++) {
+                const int64_t r = t / Hkv;
+                const int h = (int)(t % Hkv);
+                const float *row = qkv + r * qkv_stride;
+                const int64_t cell = (int64_t)seq[r] * s_seq + pos[r] * s_cell + (int64_t)h * D;
+                prepare_head(row + k_off + (int64_t)h * D, k_norm, eps, D, rot, cos + r * rot, sin + r * rot, tmp,
+                             k_pool + cell);
+                memcpy(v_pool + cell, row + v_off + (int64_t)h * D, sizeof(float) * D);
+            }  /* (the loop's closing barrier: every cell is written before any row reads it) */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < R * H; t++) {
+                const int64_t r = t / H;
+                const int h = (int)(t % H), hk = h / G;
+                const int64_t n = pos[r] + 1;
+                float *q = tmp, *qn = tmp + D, *score = tmp + 2 * D;
+                prepare_head(qkv + r * qkv_stride + (int64_t)h * q_head_stride, q_norm, eps, D, rot, cos + r * rot,
+                             sin + r * rot, qn, q);
+                const float *kc = k_pool + (int64_t)seq[r] * s_seq + (int64_t)hk * D;
+                const float *vc = v_pool + (int64_t)seq[r] * s_seq + (int64_t)hk * D;
+                float most_score = -INFINITY;
+                int64_t c = 0;
+                for (; c + 4 <= n; c += 4) {  /* four cells at a time: four sums in flight, each in its own order */
+                    const float *k = kc + c * s_cell;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int d = 0; d < D; d += 8) {
+                        const __m256 qd = _mm256_loadu_ps(q + d);
+                        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+                        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + s_cell + d), a1);
+                        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * s_cell + d), a2);
+                        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * s_cell + d), a3);
+                    }
+                    score[c] = hsum(a0) * scale;
+                    score[c + 1] = hsum(a1) * scale;
+                    score[c + 2] = hsum(a2) * scale;
+                    score[c + 3] = hsum(a3) * scale;
+                }
+                for (; c < n; c++) {  /* the same sum, one cell */
+                    const float *k = kc + c * s_cell;
+                    __m256 a0 = _mm256_setzero_ps();
+                    for (int d = 0; d < D; d += 8)
+                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+                    score[c] = hsum(a0) * scale;
+                }
+                for (c = 0; c < n; c++)
+                    most_score = score[c] > most_score ? score[c] : most_score;
+                float total = 0.0f;
+                for (c = 0; c < n; c++) {
+                    const float p = expf(score[c] - most_score);
+                    score[c] = p;
+                    total += p;
+                }
+                const __m256 denom = _mm256_set1_ps(total);
+                float *o = out + (r * H + h) * (int64_t)D;
+                int d = 0;
+                for (; d + 32 <= D; d += 32) {  /* 32 dims at a time over the cells in order (four sums in flight) */
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (c = 0; c < n; c++) {
+                        const __m256 p = _mm256_set1_ps(score[c]);
+                        const float *v = vc + c * s_cell + d;
+                        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+                        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+                        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+                        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+                    }
+                    _mm256_storeu_ps(o + d, _mm256_div_ps(a0, denom));
+                    _mm256_storeu_ps(o + d + 8, _mm256_div_ps(a1, denom));
+                    _mm256_storeu_ps(o + d + 16, _mm256_div_ps(a2, denom));
+                    _mm256_storeu_ps(o + d + 24, _mm256_div_ps(a3, denom));
+                }
+                for (; d < D; d += 8) {  /* the same sums, 8 dims */
+                    __m256 a0 = _mm256_setzero_ps();
+                    for (c = 0; c < n; c++)
+                        a0 = _mm256_fmadd_ps(_mm256_set1_ps(score[c]), _mm256_loadu_ps(vc + c * s_cell + d), a0);
+                    _mm256_storeu_ps(o + d, _mm256_div_ps(a0, denom));
+                }
+            }
+        }
+        free(tmp);
+    }
+    return failed;
+}
