@@ -1,11 +1,14 @@
 """The decode rows' work between a CPU stage's products (strata/kernels/cpu_decode.c): the residual add and norm near
 float64, the attention block against torch's reference ops (the K/V cells written, the output), each row bitwise
-itself alone or beside others, drafts of one sequence in one window, and the engine's answer without the library."""
+itself alone or beside others, drafts of one sequence in one window; a whole stage in one call (`Stage`: a tiny
+Qwen3, q/k norms included, quantized as it loads) against `transformers` over the same quantized values, batched
+rows bitwise their solo rows, and the per-layer path; the engine's answer without the library."""
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from strata.kernels import cpu_decode
+from strata.kernels import cpu_decode, cpu_packed
 from strata.kernels.attention import attention as reference_attention
 from strata.kernels.rmsnorm import rms_norm as reference_norm
 from strata.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -53,20 +56,25 @@ def reference(qkv, h, hkv, d, gated, cos, sin, q_norm, k_norm, k_pool, v_pool, s
                                           pos[j:j + 1], d**-0.5) for j in range(r)])
 
 
+def cells(k_pool, v_pool, seq):
+    """The [2, R] table of each row's sequence's K and V cells (`cpu_decode.cell_table`'s rows for one layer)."""
+    return torch.tensor([[k_pool[s].data_ptr() for s in seq], [v_pool[s].data_ptr() for s in seq]])
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}h{s[1]}kv{s[2]}d")
 def test_attention_is_torchs_and_each_row_its_own(shape):
     h, hkv, d, rot, gated, norms = shape
     torch.manual_seed(1)
-    sequences, cells = 5, 300
-    k_pool, v_pool = torch.randn(sequences, cells, hkv, d), torch.randn(sequences, cells, hkv, d)
+    sequences, n_cells = 5, 300
+    k_pool, v_pool = torch.randn(sequences, n_cells, hkv, d), torch.randn(sequences, n_cells, hkv, d)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     # rows of four sequences; the first at its first cell, one at the last cell, two of one sequence one position
     # apart (a drafted row: it reads the cell the row before it writes in the same call)
-    seq, pos = torch.tensor([3, 0, 4, 1, 1]), torch.tensor([0, 17, cells - 1, 100, 101])
+    seq, pos = torch.tensor([3, 0, 4, 1, 1]), torch.tensor([0, 17, n_cells - 1, 100, 101])
     qkv = torch.randn(5, h * d * (2 if gated else 1) + 2 * hkv * d)
     cos, sin = rope_cos_sin(pos, rope_inv_freq(rot, 10000.0), torch.float32)
     q_norm, k_norm = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if norms else (None, None)
-    out = cpu_decode.attention(qkv, h, hkv, d, gated, cos, sin, q_norm, k_norm, 1e-6, k_pool, v_pool, seq, pos,
+    out = cpu_decode.attention(qkv, h, hkv, d, gated, cos, sin, q_norm, k_norm, 1e-6, cells(k_pool, v_pool, seq), pos,
                                d**-0.5)
     want = reference(qkv, h, hkv, d, gated, cos, sin, q_norm, k_norm, k_ref, v_ref, seq, pos)
     assert out.shape == (5, h, d)
@@ -77,17 +85,8 @@ def test_attention_is_torchs_and_each_row_its_own(shape):
     assert torch.allclose(out, want, atol=2e-6, rtol=0)
     for j in (0, 2, 3):  # a row alone: bitwise its place among the others (its cells as they are now)
         alone = cpu_decode.attention(qkv[j:j + 1], h, hkv, d, gated, cos[j:j + 1], sin[j:j + 1], q_norm, k_norm,
-                                     1e-6, k_pool, v_pool, seq[j:j + 1], pos[j:j + 1], d**-0.5)
+                                     1e-6, cells(k_pool, v_pool, seq[j:j + 1]), pos[j:j + 1], d**-0.5)
         assert torch.equal(alone[0], out[j])
-
-
-def test_what_the_attention_takes():
-    cells = torch.zeros(2, 8, 3, 64)
-    assert cpu_decode.takes(cells, cells.clone(), 64)
-    assert not cpu_decode.takes(cells.to(torch.bfloat16), cells.to(torch.bfloat16), 64)  # float32 cells only
-    assert not cpu_decode.takes(torch.zeros(2, 8, 3, 12), torch.zeros(2, 8, 3, 12), 12)  # D a multiple of 8
-    odd = torch.zeros(2, 3, 8, 64).transpose(1, 2)  # heads not packed within a cell
-    assert not cpu_decode.takes(odd, odd, 64)
 
 
 def test_the_default_engine_decodes_on_it_and_answers_the_same_without_it(default_engine):
@@ -130,7 +129,6 @@ def test_a_library_that_cannot_be_had_is_said_once_and_the_stage_runs_torchs_ops
     try:
         with caplog.at_level(logging.WARNING, logger="strata.engine"):
             assert not cpu_decode.available() and "no gcc" in cpu_decode.why()
-            assert not cpu_decode.takes(torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), 8)
         said = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
         assert len(said) == 1 and "no gcc" in said[0] and "torch's ops" in said[0]
         monkeypatch.setenv("STRATA_CPU_DECODE", "0")
@@ -140,3 +138,90 @@ def test_a_library_that_cannot_be_had_is_said_once_and_the_stage_runs_torchs_ops
         cpu_decode._loaded.cache_clear()
         monkeypatch.undo()
     assert cpu_decode.available()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(a tiny Qwen3 engine on the CPU with its matrices quantized to Q8_0 as they load, transformers' model over a
+    twin checkpoint holding those quantized values)."""
+    import transformers
+
+    from strata.model.loader import ModelFiles
+    from strata.quant.online import quantize_weight
+    from strata.quant.packed import dequantize
+    from strata.runtime.generate import Engine
+    from tests.tiny_models import build
+
+    base, twin = tmp_path_factory.mktemp("qwen3"), tmp_path_factory.mktemp("qwen3-q8_0")
+    build("qwen3-dense", base, tie_word_embeddings=False, num_hidden_layers=3)
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (twin / f.name).write_bytes(f.read_bytes())
+    save_file({k: dequantize(quantize_weight(v.float(), "q8_0", torch.float32)).to(v.dtype).contiguous()
+               if k.endswith("_proj.weight") or k == "lm_head.weight" else v
+               for k, v in load_file(base / "model.safetensors").items()}, twin / "model.safetensors")
+    engine = Engine(ModelFiles.open(base, "q8_0"), dtype=torch.float32, kernels="torch", max_cells=64)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    return engine, ref
+
+
+@pytest.mark.skipif(not cpu_packed.available(), reason=f"no CPU packed kernel here: {cpu_packed.why()}")
+def test_a_whole_stage_in_one_call_is_transformers_and_each_row_its_own(qwen3):
+    from tests.slot_helpers import decode_logits
+    from tests.tiny_models import VOCAB
+
+    engine, ref = qwen3
+    forward = engine.stages[0].forward
+    assert forward.host_stage is not None  # every matrix packed for the CPU's kernel, q/k norms in the stage
+    prompt = [(i * 37 + 11) % VOCAB for i in range(9)]
+    state = engine.new_state()
+    logits = engine.run(state, prompt)
+    ids = list(prompt)
+    steps = []
+    for _ in range(6):  # decode rows: the stage's one call
+        ids.append(int(logits[-1].argmax()))
+        logits = engine.run(state, ids[-1:])
+        steps.append(logits[-1])
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([ids])).logits[0, len(prompt):].float()
+    got = torch.stack(steps)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+    prompts = {i: [(i * 29 + j * 13 + 5) % VOCAB for j in range(4 + 3 * i)] for i in range(5)}
+    together = decode_logits(engine.init_slots(5), prompts)
+    for i, p in prompts.items():
+        alone = decode_logits(engine.init_slots(1), {0: p})
+        assert torch.equal(together[i], alone[0]), i
+    stage, forward.host_stage = forward.host_stage, None  # the per-layer path: the same steps, torch's silu
+    try:
+        per_layer = decode_logits(engine.init_slots(5), prompts)
+    finally:
+        forward.host_stage = stage
+    assert torch.allclose(together, per_layer, atol=1e-5, rtol=0)
+    assert torch.equal(together.argmax(-1), per_layer.argmax(-1))
+
+
+def test_the_cell_table_is_the_same_read_from_the_pool_or_from_each_sequence(qwen3):
+    """`cell_table`: a window whose sequences share a pool reads the addresses from it; one whose sequences do not
+    (or a window told so) from each sequence's own cells: the same addresses."""
+    import dataclasses
+
+    from strata.runtime.window import Window
+    from strata.state.session import SessionState, StatePool
+
+    engine = qwen3[0]
+    spec = engine.spec
+    pool = StatePool(spec, range(spec.num_layers), 3, 16, torch.device("cpu"), torch.float32)
+    states = [SessionState(pool, i) for i in (2, 0)]
+    window = Window.build([(s, [1], True) for s in states], torch.device("cpu"))
+    layers = spec.attention_layers()
+    head_cells = spec.attention.num_kv_heads * spec.attention.head_dim
+    shared = cpu_decode.cell_table(window, layers, head_cells)
+    assert window.pool is pool and shared.shape == (len(layers), 2, 2)
+    each = cpu_decode.cell_table(dataclasses.replace(window, pool=None), layers, head_cells)
+    assert torch.equal(shared, each)
+    assert int(shared[1, 1, 0]) == pool.v[layers[1]][2].data_ptr()
+    half = StatePool(spec, range(spec.num_layers), 1, 16, torch.device("cpu"), torch.bfloat16)
+    mixed = Window.build([(states[0], [1], True), (SessionState(half, 0), [1], True)], torch.device("cpu"))
+    assert cpu_decode.cell_table(mixed, layers, head_cells) is None  # bfloat16 cells: torch's ops

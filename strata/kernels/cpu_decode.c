@@ -80,8 +80,8 @@ static void prepare_head(const float *x, const float *norm_w, float eps, int D, 
 
 /* Decode rows' attention block, between the qkv and the o products. Row r of qkv [R][qkv_stride] holds H query heads
    (head h at h * q_head_stride: D floats, then its output gate's when q_head_stride is 2 D), then Hkv key heads and
-   Hkv value heads of D floats. Row r is at position pos[r] of sequence seq[r], whose cells are
-   k_pool / v_pool + seq * s_seq + cell * s_cell (floats; a cell's heads D apart). First every row's key (normed by
+   Hkv value heads of D floats. Row r is at position pos[r] of its sequence, whose cells are
+   k_rows[r] / v_rows[r] + cell * s_cell (floats; a cell's heads D apart). First every row's key (normed by
    k_norm where given, turned) and value are written to cell pos[r]; then each query head (normed by q_norm where
    given, turned) attends to cells 0..pos[r] of its sequence, its K/V head h / (H / Hkv): score = (q . k) * scale,
    out [R][H][D] = (sum over cells of exp(score - max) * V) / (sum of exp(score - max)). D is a multiple of 8. Rows of one sequence may share
@@ -89,8 +89,8 @@ static void prepare_head(const float *x, const float *norm_w, float eps, int D, 
    a buffer could not be had, else 0. */
 int cpu_decode_attention(const float *qkv, int64_t R, int64_t qkv_stride, int H, int Hkv, int D, int q_head_stride,
                          int rot, const float *cos, const float *sin, const float *q_norm, const float *k_norm,
-                         float eps, float *k_pool, float *v_pool, int64_t s_seq, int64_t s_cell, const int32_t *seq,
-                         const int64_t *pos, float scale, float *out, int threads) {
+                         float eps, float *const *k_rows, float *const *v_rows, int64_t s_cell, const int64_t *pos,
+                         float scale, float *out, int threads) {
     const int G = H / Hkv;
     const int64_t k_off = (int64_t)H * q_head_stride, v_off = k_off + (int64_t)Hkv * D;
     int64_t most = 0;
@@ -111,10 +111,10 @@ int cpu_decode_attention(const float *qkv, int64_t R, int64_t qkv_stride, int H,
                 const int64_t r = t / Hkv;
                 const int h = (int)(t % Hkv);
                 const float *row = qkv + r * qkv_stride;
-                const int64_t cell = (int64_t)seq[r] * s_seq + pos[r] * s_cell + (int64_t)h * D;
+                const int64_t cell = pos[r] * s_cell + (int64_t)h * D;
                 prepare_head(row + k_off + (int64_t)h * D, k_norm, eps, D, rot, cos + r * rot, sin + r * rot, tmp,
-                             k_pool + cell);
-                memcpy(v_pool + cell, row + v_off + (int64_t)h * D, sizeof(float) * D);
+                             k_rows[r] + cell);
+                memcpy(v_rows[r] + cell, row + v_off + (int64_t)h * D, sizeof(float) * D);
             }  /* (the loop's closing barrier: every cell is written before any row reads it) */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < R * H; t++) {
@@ -124,8 +124,8 @@ int cpu_decode_attention(const float *qkv, int64_t R, int64_t qkv_stride, int H,
                 float *q = tmp, *qn = tmp + D, *score = tmp + 2 * D;
                 prepare_head(qkv + r * qkv_stride + (int64_t)h * q_head_stride, q_norm, eps, D, rot, cos + r * rot,
                              sin + r * rot, qn, q);
-                const float *kc = k_pool + (int64_t)seq[r] * s_seq + (int64_t)hk * D;
-                const float *vc = v_pool + (int64_t)seq[r] * s_seq + (int64_t)hk * D;
+                const float *kc = k_rows[r] + (int64_t)hk * D;
+                const float *vc = v_rows[r] + (int64_t)hk * D;
                 float most_score = -INFINITY;
                 int64_t c = 0;
                 for (; c + 4 <= n; c += 4) {  /* four cells at a time: four sums in flight, each in its own order */
@@ -186,5 +186,77 @@ int cpu_decode_attention(const float *qkv, int64_t R, int64_t qkv_stride, int H,
         }
         free(tmp);
     }
+    return failed;
+}
+
+/* A product of the CPU's packed kernel (cpu_packed_linear, whose address the caller hands over). */
+typedef int (*linear_fn)(int fmt, const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t N, int64_t rb,
+                         const float *bias, float *y, int threads);
+
+typedef struct {  /* a packed matrix [n][k]: records of row_bytes in the kernel's format `fmt`, and its bias */
+    int64_t fmt, n, k, row_bytes;
+    const uint8_t *data;
+    const float *bias;
+} Matrix;
+
+typedef struct {  /* one dense attention layer of a stage */
+    const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  /* q_norm, k_norm NULL: none */
+    Matrix qkv, o, gate_up, down;
+} Layer;
+
+typedef struct {  /* the stage's shapes */
+    int64_t n_layers, hidden, H, Hkv, D, q_head_stride, rot, inter;
+    float eps, scale;
+} Stage;
+
+static void silu_mul(const float *gate_up, int64_t R, int64_t I, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate_up[r * 2 * I + i];
+            out[r * I + i] = (g / (1.0f + expf(-g))) * gate_up[r * 2 * I + I + i];
+        }
+}
+
+static int product(linear_fn linear, const Matrix *m, const float *x, int64_t R, float *y, int threads) {
+    return linear((int)m->fmt, x, R, m->k, m->data, m->n, m->row_bytes, m->bias, y, threads);
+}
+
+/* A stage of dense attention layers over R decode rows in one call: x [R][hidden] (the rows' hidden states, the
+   stage's input) becomes the stage's output, x + each layer's attention and MLP outputs in turn, exactly the
+   steps of the torch path (norm, qkv, `cpu_decode_attention`, o, add + norm, gate_up, silu x up, down) with the
+   products on the packed kernel. cells[(layer * 2 + 0 or 1) * R + r]: row r's sequence's K or V cells of that layer
+   (cell c at + c * s_cell). Returns 0, or 1 where memory could not be had (x then holds no meaningful rows). */
+int cpu_decode_stage(const Stage *st, const Layer *layers, linear_fn linear, float *x, int64_t R, const float *cos,
+                     const float *sin, float *const *cells, int64_t s_cell, const int64_t *pos, int threads) {
+    const int64_t hd = st->hidden, qkv_n = layers[0].qkv.n, att_n = st->H * st->D, I = st->inter;
+    float *h = malloc(sizeof(float) * R * hd);
+    float *qkv = malloc(sizeof(float) * R * qkv_n), *att = malloc(sizeof(float) * R * att_n);
+    float *delta = malloc(sizeof(float) * R * hd), *gu = malloc(sizeof(float) * R * 2 * I);
+    float *act = malloc(sizeof(float) * R * I);
+    int failed = !h || !qkv || !att || !delta || !gu || !act;
+    for (int64_t i = 0; i < st->n_layers && !failed; i++) {
+        const Layer *L = &layers[i];
+        /* x + the last MLP's output (none before the first layer), normed */
+        cpu_decode_rms_norm(x, i ? delta : NULL, L->attn_norm, st->eps, R, hd, x, h);
+        failed |= product(linear, &L->qkv, h, R, qkv, threads) != 0;
+        if (failed)
+            break;
+        failed |= cpu_decode_attention(qkv, R, qkv_n, (int)st->H, (int)st->Hkv, (int)st->D, (int)st->q_head_stride,
+                                       (int)st->rot, cos, sin, L->q_norm, L->k_norm, st->eps, cells + (i * 2) * R,
+                                       cells + (i * 2 + 1) * R, s_cell, pos, st->scale, att, threads) != 0;
+        failed |= !failed && product(linear, &L->o, att, R, delta, threads) != 0;
+        if (failed)
+            break;
+        cpu_decode_rms_norm(x, delta, L->mlp_norm, st->eps, R, hd, x, h);
+        failed |= product(linear, &L->gate_up, h, R, gu, threads) != 0;
+        if (failed)
+            break;
+        silu_mul(gu, R, I, act);
+        failed |= product(linear, &L->down, act, R, delta, threads) != 0;
+    }
+    if (!failed)
+        for (int64_t j = 0; j < R * hd; j++)
+            x[j] = x[j] + delta[j];
+    free(h), free(qkv), free(att), free(delta), free(gu), free(act);
     return failed;
 }

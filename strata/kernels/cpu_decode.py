@@ -56,8 +56,10 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
     lib.cpu_decode_rms_norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr, ptr]
     lib.cpu_decode_rms_norm.restype = None
     lib.cpu_decode_attention.argtypes = [ptr, i64, i64, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, f32, ptr, ptr,
-                                         i64, i64, ptr, ptr, f32, ptr, i32]
+                                         i64, ptr, f32, ptr, i32]
     lib.cpu_decode_attention.restype = i32
+    lib.cpu_decode_stage.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32]
+    lib.cpu_decode_stage.restype = i32
     return lib, ""
 
 
@@ -89,33 +91,134 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, summed
 
 
-def takes(k_cells: torch.Tensor, v_cells: torch.Tensor, head_dim: int) -> bool:
-    """Whether `attention` takes a layer whose cells are `k_cells`, `v_cells` [S, L, Hkv, D] (a pool's, on the
-    CPU): float32, each cell's heads packed, K and V laid out alike, D a multiple of 8."""
-    return (k_cells.device.type == "cpu" and k_cells.dtype == v_cells.dtype == torch.float32 and head_dim % 8 == 0
-            and k_cells.stride() == v_cells.stride() and k_cells.stride(-1) == 1 and k_cells.stride(-2) == head_dim
-            and available())
+def cell_table(window, layers: list[int], head_cells: int) -> torch.Tensor | None:
+    """The addresses of each decode row's sequence's K and V cells, layer by layer: [len(layers), 2, R] int64 (what
+    `attention` and `Stage.run` read), or None where a sequence's cells are not laid out as `attention` reads them
+    (float32 on the CPU, a cell's heads packed: `head_cells` floats a cell). Read from the window's pool where its
+    sequences share one (the same addresses either way)."""
+    pool, r = window.pool, window.num_rows
+    if pool is not None:
+        ks, vs = [pool.k[i] for i in layers], [pool.v[i] for i in layers]
+        if not all(_laid_out(t[0], head_cells) for t in (*ks, *vs)):
+            return None
+        bases = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(ks, vs)], dtype=torch.int64)
+        step = torch.tensor([k.stride(0) * 4 for k in ks], dtype=torch.int64)  # bytes a sequence
+        return bases[:, :, None] + (window.seq_ids.to(torch.int64)[None, :] * step[:, None])[:, None, :]
+    table = torch.empty(len(layers), 2, r, dtype=torch.int64)
+    for j, i in enumerate(layers):
+        for seg in window.segments:  # one row each (a decode window)
+            k, v = seg.state.k[i], seg.state.v[i]
+            if not (_laid_out(k, head_cells) and _laid_out(v, head_cells)):
+                return None
+            table[j, 0, seg.start], table[j, 1, seg.start] = k.data_ptr(), v.data_ptr()
+    return table
+
+
+def _laid_out(cells: torch.Tensor, head_cells: int) -> bool:
+    """Whether a sequence's cells [L, Hkv, D] are float32 on the CPU, `head_cells` floats a cell, heads packed."""
+    return (cells.device.type == "cpu" and cells.dtype == torch.float32 and cells.stride(0) == head_cells
+            and cells.stride(2) == 1 and cells.stride(1) == cells.shape[2])
 
 
 def attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,
               cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-              eps: float, k_cells: torch.Tensor, v_cells: torch.Tensor, seq_ids: torch.Tensor,
-              positions: torch.Tensor, scale: float) -> torch.Tensor:
+              eps: float, cells: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode rows' attention block: qkv [R, H*D(*2 when gated: each head's [q | gate]) + 2*Hkv*D] float32, the
-    product's rows; cos, sin [R, rotary_dim]; q_norm, k_norm [D] or None; k_cells, v_cells [S, L, Hkv, D] a pool's
-    cells (`takes`); seq_ids [R] each row's sequence in them, positions [R] its position. Writes each row's key and
-    value to its cell, and returns the attention's output [R, H, D] (the gate not applied)."""
+    product's rows; cos, sin [R, rotary_dim]; q_norm, k_norm [D] float32 or None; cells [2, R] the addresses of
+    each row's sequence's K and V cells of this layer (`cell_table`), positions [R] each row's position. D is a
+    multiple of 8. Writes each row's key and value to its cell, and returns the attention's output [R, H, D] (the gate
+    not applied)."""
     r = qkv.shape[0]
     qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    seq_ids = seq_ids.to(torch.int32).contiguous()
     positions = positions.to(torch.int64).contiguous()
-    norms = [None if n is None else n.float().contiguous() for n in (q_norm, k_norm)]
+    cells = cells.contiguous()
     out = torch.empty(r, num_heads, head_dim)
     if r and _load().cpu_decode_attention(
             qkv.data_ptr(), r, qkv.shape[1], num_heads, num_kv_heads, head_dim, head_dim * (2 if gated else 1),
-            cos.shape[1], cos.data_ptr(), sin.data_ptr(), *(None if n is None else n.data_ptr() for n in norms), eps,
-            k_cells.data_ptr(), v_cells.data_ptr(), k_cells.stride(0), k_cells.stride(1), seq_ids.data_ptr(),
-            positions.data_ptr(), scale, out.data_ptr(), torch.get_num_threads()):
+            cos.shape[1], cos.data_ptr(), sin.data_ptr(), *(None if n is None else n.data_ptr() for n in (q_norm, k_norm)),
+            eps, cells.data_ptr(), cells.data_ptr() + r * 8, num_kv_heads * head_dim, positions.data_ptr(), scale,
+            out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("cpu_decode.attention: no memory for its buffers")
     return out
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
+                ("down", _Matrix)]
+
+
+class _Stage(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("n_layers", "hidden", "H", "Hkv", "D", "q_head_stride", "rot",
+                                                    "inter")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class Stage:
+    """A stage of dense attention layers whose matrices are all on the CPU's packed kernel, run over a decode
+    window's rows in one C call (`cpu_decode_stage`): the torch path's steps (norm, qkv, `attention`, o, add + norm,
+    gate_up, silu x up, down, layer after layer), its Python between them gone. `of` says whether a stage qualifies."""
+
+    MATRICES = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, spec, layers: dict[int, dict], scale: float):
+        from strata.kernels import cpu_packed
+
+        a = spec.attention
+        self.layers = list(layers)
+        self._keep = []  # the float32 tensors the C structs point into
+        table = (_Layer * len(layers))()
+        for slot, w in zip(table, layers.values()):
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+                t = w.get(name) if name in ("attn_norm", "mlp_norm") or a.qk_norm else None
+                if t is not None:
+                    t = t.float().contiguous()
+                    self._keep.append(t)
+                setattr(slot, name, None if t is None else t.data_ptr())
+            for name in self.MATRICES:
+                m = w[name]
+                bias = w.get("qkv_bias") if name == "qkv" else None
+                if bias is not None:
+                    bias = bias.float().contiguous()
+                    self._keep.append(bias)
+                self._keep.append(m.data)
+                setattr(slot, name, _Matrix(cpu_packed.FORMATS.index(m.fmt), m.shape[0], m.shape[1], m.data.shape[1],
+                                            m.data.data_ptr(), None if bias is None else bias.data_ptr()))
+        self._table = table
+        self._shape = _Stage(len(layers), spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim,
+                             a.rotary_dim, spec.dense_dim, spec.rms_eps, scale)
+        self._linear = ctypes.cast(cpu_packed._load().cpu_packed_linear, ctypes.c_void_p)
+        self.head_cells = a.num_kv_heads * a.head_dim
+
+    @classmethod
+    def of(cls, spec, layers: dict[int, dict]) -> bool:
+        """Whether `Stage` runs these layers: every one dense attention (no output gate), D a multiple of 8, its four
+        matrices packed for the CPU's kernel (`cpu_packed.serves`), the libraries at hand."""
+        from strata.kernels import cpu_packed
+
+        a = spec.attention
+        if not (available() and cpu_packed.available() and layers and not a.output_gate and a.head_dim % 8 == 0):
+            return False
+        return all(spec.layers[i].mixer == "attention" and spec.layers[i].mlp == "dense"
+                   and tuple(w["gate_up"].shape) == (2 * spec.dense_dim, spec.hidden_size)
+                   and all(getattr(w.get(m), "host_kernel", False) and cpu_packed.serves(w[m]) for m in cls.MATRICES)
+                   for i, w in layers.items())
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cells: torch.Tensor,
+            positions: torch.Tensor) -> torch.Tensor:
+        """The stage's output for decode rows x [R, hidden] float32 (the stage's input; not changed) at `positions`,
+        their cells `cell_table`'s."""
+        x = x.float().contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        cells = cells.contiguous()
+        if x.shape[0] and _load().cpu_decode_stage(
+                ctypes.byref(self._shape), self._table, self._linear, x.data_ptr(), x.shape[0], cos.data_ptr(),
+                sin.data_ptr(), cells.data_ptr(), self.head_cells, positions.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("cpu_decode.Stage: no memory for its buffers")
+        return x

@@ -86,6 +86,8 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
     return a tensor or a tuple of tensors with one row per input row. Over weights packed for the CPU's own kernel,
     which sums each row alone whatever the rows beside it, in parts of at most its KERNEL_ROWS rows, unpadded."""
     rows = x.shape[0]
+    if rows <= KERNEL_ROWS and _summed_alone(args):  # (a decode window's rows on the CPU's kernel: one call)
+        return fn(x, *args, **kwargs)
     if _summed_alone(args):  # the CPU's own packed kernel sums every row alone at any count: no padding, and
         # parts of rows it takes whole (more rows would be written out and multiplied otherwise)
         block = KERNEL_ROWS
@@ -102,8 +104,15 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
 def _summed_alone(args) -> bool:
     """Whether fn's weights (its arguments after x) are all packed for the CPU's own kernel
     (`strata.kernels.cpu_packed`), whose products sum each row on its own whatever the rows beside it."""
-    weights = [a for a in args if isinstance(a, PackedWeight) or isinstance(a, torch.Tensor) and a.dim() >= 2]
-    return bool(weights) and all(isinstance(w, PackedWeight) and w.host_kernel for w in weights)
+    summed = False
+    for a in args:
+        if isinstance(a, PackedWeight):
+            if not a.host_kernel:
+                return False
+            summed = True
+        elif isinstance(a, torch.Tensor) and a.dim() >= 2:
+            return False
+    return summed
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

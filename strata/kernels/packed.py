@@ -395,12 +395,12 @@ def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Te
     """F.linear over a weight that may be packed (written out in x's dtype first: the prompt windows' products; a CPU
     stage's, `host_kernel`, on the CPU's own kernel, `strata.kernels.cpu_packed`) or in oneDNN's blocked layout (a
     CPU stage's plain matrices, `strata.kernels.onednn`)."""
-    if onednn.is_blocked(weight):
-        return onednn.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         if weight.host_kernel:  # a CPU stage's packed weight: the CPU's own kernel (`strata.kernels.cpu_packed`)
             return cpu_packed.project(x, weight, bias)
         weight = dequantize_triton(weight, x.dtype)
+    elif onednn.is_blocked(weight):
+        return onednn.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -54,6 +54,10 @@ class Forward:
         # (`strata.kernels.cpu_decode`): one call each a layer, no padding to a block of rows, each row on its own
         self.host_decode = (torch.device(device).type == "cpu" and dtype == torch.float32 and kernels == "torch"
                             and cpu_decode.available())
+        # a stage of dense attention layers whose matrices are all on the CPU's packed kernel: its decode rows go
+        # through every layer in one C call (`cpu_decode.Stage`), the same steps without Python between them
+        self.host_stage = (cpu_decode.Stage(spec, weights.layers, self.scale)
+                           if self.host_decode and cpu_decode.Stage.of(spec, weights.layers) else None)
         self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
         self.gdn_gates = gdn_gates  # a GDN block's decay and beta from its projections
         self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
@@ -102,11 +106,19 @@ class Forward:
             turn = lambda t: self.rotate(t, positions, self.inv_freq, self.spec.attention.rotary_dim,  # noqa: E731
                                          scale=self.rope_scale)
         rows = _rows_for(window)
+        cells = None  # with the CPU's decode kernels: each row's K/V cells, layer by layer (`cpu_decode.cell_table`)
+        layers = [i for i in self.weights.layers if self.spec.layers[i].mixer == "attention"]
+        if self.host_decode and rows is not plain and cos_sin is not None and layers:
+            cells = cpu_decode.cell_table(window, layers, self.spec.attention.num_kv_heads * self.spec.attention.head_dim)
+            if cells is not None and self.host_stage is not None:
+                return self.host_stage.run(x, *cos_sin, cells, positions)
+            cells = None if cells is None else dict(zip(layers, cells))
         delta = None  # what the last block adds to the residual stream x, not added yet
         for i, w in self.weights.layers.items():
             h, x = self._add_norm(delta, x, w["attn_norm"], rows)
             if self.spec.layers[i].mixer == "attention":
-                delta = self._attention(i, w, h, window, turn, rows, positions, cos_sin)
+                delta = self._attention(i, w, h, window, turn, rows, positions, cos_sin,
+                                        None if cells is None else cells[i])
             else:
                 delta = self._gdn(i, w, h, window, rows)
             h, x = self._add_norm(delta, x, w["mlp_norm"], rows)
@@ -230,18 +242,18 @@ class Forward:
         return self.head(x, window) if self.weights.final_norm is not None else x
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, window: Window, turn, rows,
-                   positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   cells: torch.Tensor | None = None) -> torch.Tensor:
         """positions: the window's on this stage's device, as `layers` holds them (read once per window); cos_sin:
-        the window's rotary factors where `turn` is the torch reference's."""
+        the window's rotary factors where `turn` is the torch reference's; cells: the decode rows' K/V cells of this
+        layer where the CPU's decode kernel runs them (`cpu_decode.cell_table`)."""
         a = self.spec.attention
         r = x.shape[0]
         qkv = rows(project, x, w["qkv"], w.get("qkv_bias"))
-        pool = window.pool
-        if (self.host_decode and rows is not plain and cos_sin is not None and pool is not None
-                and cpu_decode.takes(pool.k[i], pool.v[i], a.head_dim)):  # one C call: norms, rotary, append, attend
-            out = cpu_decode.attention(qkv, a.num_heads, a.num_kv_heads, a.head_dim, a.output_gate, *cos_sin,
-                                       w.get("q_norm") if a.qk_norm else None, w.get("k_norm") if a.qk_norm else None,
-                                       self.spec.rms_eps, pool.k[i], pool.v[i], window.seq_ids, positions, self.scale)
+        if cells is not None and a.head_dim % 8 == 0:  # one C call: norms, rotary, append, attend
+            norms = [w[n].float() if a.qk_norm else None for n in ("q_norm", "k_norm")]
+            out = cpu_decode.attention(qkv, a.num_heads, a.num_kv_heads, a.head_dim, a.output_gate, *cos_sin, *norms,
+                                       self.spec.rms_eps, cells, positions, self.scale)
             gate = split_qkv(a, qkv)[3]
         else:
             out, gate = self._attend_rows(i, w, a, qkv, window, turn, rows, positions)
