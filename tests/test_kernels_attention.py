@@ -93,3 +93,8 @@ def test_cells_past_last_position_are_ignored(case):
     k_junk, v_junk = 1e3 * torch.randn(2, n_extra, hkv, d, generator=gen)
     actual = attention(q, torch.cat([k, k_junk]), torch.cat([v, v_junk]), positions, d**-0.5)
     torch.testing.assert_close(actual, expected, **TOL)
+
+
+def test_a_long_window_mid_sequence_matches_transformers():
+    """A prompt chunk of 48 rows after 300 cells, over 400 cells (the CPU's fused attention with each row's mask)."""
+    check(48, 300, 400, 9, 3, 64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -21,6 +22,14 @@ def attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, pos
     t, h, d = q.shape
     n_cells, hkv, _ = k_cells.shape
     group = h // hkv
+    if t > 1 and q.device.type == "cpu" and q.dtype == k_cells.dtype == v_cells.dtype == torch.float32:
+        # a prompt window's rows on the CPU: torch's fused attention (blocked, no [T, L] scores held), with each row's
+        # visible cells as its mask; 2.3x the matmuls below at SmolLM2's heads, 256 rows over 2,048 cells
+        visible = torch.arange(n_cells, device=q.device)[None, :] <= positions[:, None]  # [T, L]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cells.transpose(0, 1)[None],
+                                             v_cells.transpose(0, 1)[None], attn_mask=visible, scale=scale,
+                                             enable_gqa=group > 1)
+        return out[0].transpose(0, 1)
     qg = q.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, t * group, d)  # [Hkv, T*G, D]
     scores = torch.matmul(qg.float(), k_cells.permute(1, 2, 0).float()) * scale  # [Hkv, T*G, L]
     # a decode row over the cells up to its own (on the CPU, where reading its position costs no wait) sees them
