@@ -98,12 +98,18 @@ def cell_table(window, layers: list[int], head_cells: int) -> torch.Tensor | Non
     sequences share one (the same addresses either way)."""
     pool, r = window.pool, window.num_rows
     if pool is not None:
-        ks, vs = [pool.k[i] for i in layers], [pool.v[i] for i in layers]
-        if not all(_laid_out(t[0], head_cells) for t in (*ks, *vs)):
+        key = ("cpu_decode_cells", tuple(layers), head_cells)
+        got = pool.__dict__.get(key)  # (each layer's K and V addresses [n, 2, 1], bytes a sequence [n, 1, 1]) or None
+        if got is None and key not in pool.__dict__:  # read once a pool: its tensors never move
+            ks, vs = [pool.k[i] for i in layers], [pool.v[i] for i in layers]
+            if all(_laid_out(t[0], head_cells) for t in (*ks, *vs)):
+                got = (torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(ks, vs)])[:, :, None],
+                       torch.tensor([k.stride(0) * 4 for k in ks])[:, None, None])
+            pool.__dict__[key] = got
+        if got is None:
             return None
-        bases = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(ks, vs)], dtype=torch.int64)
-        step = torch.tensor([k.stride(0) * 4 for k in ks], dtype=torch.int64)  # bytes a sequence
-        return bases[:, :, None] + (window.seq_ids.to(torch.int64)[None, :] * step[:, None])[:, None, :]
+        bases, step = got
+        return bases + window.seq_ids.to(torch.int64)[None, None, :] * step
     table = torch.empty(len(layers), 2, r, dtype=torch.int64)
     for j, i in enumerate(layers):
         for seg in window.segments:  # one row each (a decode window)

@@ -140,7 +140,11 @@ class Forward:
         if window.logit_rows.shape[0] == 0:  # prompt chunks that are not their prompts' last: no logits wanted
             return x.new_zeros(0, self.weights.lm_head.shape[0], dtype=torch.float32)
         rows = _rows_for(window)
-        h = rows(self.norm, x[window.logit_rows.to(self.device)], self.weights.final_norm, self.spec.rms_eps)
+        x = x[window.logit_rows.to(self.device)]
+        if self.host_decode and rows is not plain:
+            h = cpu_decode.rms_norm(x, self.weights.final_norm, self.spec.rms_eps)[0]
+        else:
+            h = rows(self.norm, x, self.weights.final_norm, self.spec.rms_eps)
         return rows(project, h, self.weights.lm_head).float()  # [N, V]
 
     def __call__(self, window: Window) -> torch.Tensor:
