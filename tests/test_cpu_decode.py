@@ -117,7 +117,7 @@ def test_the_default_engine_decodes_on_it_and_answers_the_same_without_it(defaul
     assert torch.allclose(logits, plain_logits, atol=1e-3, rtol=0), float((logits - plain_logits).abs().max())
 
 
-def test_a_library_that_cannot_be_had_is_said_once_and_the_stage_runs_torchs_ops(tmp_path, monkeypatch, caplog):
+def test_a_library_that_cannot_be_had_is_said_once_with_why(tmp_path, monkeypatch, caplog):
     import logging
 
     from strata.kernels import native_build

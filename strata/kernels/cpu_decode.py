@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -43,13 +42,8 @@ def build(out: Path) -> str | None:
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str]:
     """The library and, where it cannot be had, why."""
-    if os.environ.get("STRATA_CPU_DECODE", "1") == "0":
-        return None, "STRATA_CPU_DECODE=0"
-    missing = CPU_FLAGS - native_build.cpu_flags()
-    if missing:
-        log.info("decode rows run torch's ops on the CPU: this CPU has no %s", ", ".join(sorted(missing)))
-        return None, f"this CPU has no {', '.join(sorted(missing))}"
-    lib, why_not = native_build.load(SOURCE, FLAGS, SHIPPED, "decode rows run torch's ops on the CPU")
+    lib, why_not = native_build.load_for_cpu("STRATA_CPU_DECODE", CPU_FLAGS, SOURCE, FLAGS, SHIPPED,
+                                             "decode rows run torch's ops on the CPU")
     if lib is None:
         return None, why_not
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int

@@ -56,13 +56,8 @@ def build(out: Path) -> str | None:
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str]:
     """The library and, where it cannot be had, why."""
-    if os.environ.get("STRATA_CPU_PACKED", "1") == "0":
-        return None, "STRATA_CPU_PACKED=0"
-    missing = CPU_FLAGS - native_build.cpu_flags()
-    if missing:
-        log.info("packed weights are dequantized at load on the CPU: this CPU has no %s", ", ".join(sorted(missing)))
-        return None, f"this CPU has no {', '.join(sorted(missing))}"
-    lib, why_not = native_build.load(SOURCE, FLAGS, SHIPPED, "packed weights are dequantized at load on the CPU")
+    lib, why_not = native_build.load_for_cpu("STRATA_CPU_PACKED", CPU_FLAGS, SOURCE, FLAGS, SHIPPED,
+                                             "packed weights are dequantized at load on the CPU")
     if lib is None:
         return None, why_not
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -83,3 +83,16 @@ def load(source: Path, flags: list[str], shipped: Path, fallback: str) -> tuple[
     except OSError as e:  # a library built for another system
         log.warning("%s: its own kernel could not be loaded: %s", fallback, e)
         return None, f"its kernel could not be loaded: {e}"
+
+
+def load_for_cpu(switch: str, needs: set[str], source: Path, flags: list[str], shipped: Path,
+                 fallback: str) -> tuple[ctypes.CDLL | None, str]:
+    """`load`, after two checks that say why not (once, in the log, as "`fallback`: ..."): the environment variable
+    `switch` set to 0 turns the library off, and the CPU must have every flag in `needs`."""
+    if os.environ.get(switch, "1") == "0":
+        return None, f"{switch}=0"
+    missing = needs - cpu_flags()
+    if missing:
+        log.info("%s: this CPU has no %s", fallback, ", ".join(sorted(missing)))
+        return None, f"this CPU has no {', '.join(sorted(missing))}"
+    return load(source, flags, shipped, fallback)
