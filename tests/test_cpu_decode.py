@@ -140,10 +140,9 @@ def test_a_library_that_cannot_be_had_is_said_once_with_why(tmp_path, monkeypatc
     assert cpu_decode.available()
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """(a tiny Qwen3 engine on the CPU with its matrices quantized to Q8_0 as they load, transformers' model over a
-    twin checkpoint holding those quantized values)."""
+def quantized_twins(tmp_path_factory, case: str):
+    """(a tiny model of `case` on the CPU with its matrices quantized to Q8_0 as they load, transformers' model over
+    a twin checkpoint holding those quantized values)."""
     import transformers
 
     from strata.model.loader import ModelFiles
@@ -152,47 +151,70 @@ def qwen3(tmp_path_factory):
     from strata.runtime.generate import Engine
     from tests.tiny_models import build
 
-    base, twin = tmp_path_factory.mktemp("qwen3"), tmp_path_factory.mktemp("qwen3-q8_0")
-    build("qwen3-dense", base, tie_word_embeddings=False, num_hidden_layers=3)
+    base, twin = tmp_path_factory.mktemp(case), tmp_path_factory.mktemp(case + "-q8_0")
+    build(case, base, tie_word_embeddings=False, num_hidden_layers=3)
     for f in base.iterdir():
         if f.name != "model.safetensors":
             (twin / f.name).write_bytes(f.read_bytes())
+    matrix = lambda k: k.endswith("_proj.weight") or k == "lm_head.weight"  # noqa: E731 (what --quantization takes)
     save_file({k: dequantize(quantize_weight(v.float(), "q8_0", torch.float32)).to(v.dtype).contiguous()
-               if k.endswith("_proj.weight") or k == "lm_head.weight" else v
-               for k, v in load_file(base / "model.safetensors").items()}, twin / "model.safetensors")
+               if matrix(k) else v for k, v in load_file(base / "model.safetensors").items()}, twin / "model.safetensors")
     engine = Engine(ModelFiles.open(base, "q8_0"), dtype=torch.float32, kernels="torch", max_cells=64)
     ref = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     return engine, ref
 
 
-@pytest.mark.skipif(not cpu_packed.available(), reason=f"no CPU packed kernel here: {cpu_packed.why()}")
-def test_a_whole_stage_in_one_call_is_transformers_and_each_row_its_own(qwen3):
-    from tests.slot_helpers import decode_logits
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return quantized_twins(tmp_path_factory, "qwen3-dense")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return quantized_twins(tmp_path_factory, "qwen3_moe-gqa4")
+
+
+def transformers_check(engine, ref, steps: int = 6):
+    """Greedy decode steps (decode rows) after a prompt: logits within 1e-4 of transformers', the same tokens."""
     from tests.tiny_models import VOCAB
 
-    engine, ref = qwen3
-    forward = engine.stages[0].forward
-    assert forward.host_stage is not None  # every matrix packed for the CPU's kernel, q/k norms in the stage
     prompt = [(i * 37 + 11) % VOCAB for i in range(9)]
     state = engine.new_state()
     logits = engine.run(state, prompt)
-    ids = list(prompt)
-    steps = []
-    for _ in range(6):  # decode rows: the stage's one call
+    ids, got = list(prompt), []
+    for _ in range(steps):
         ids.append(int(logits[-1].argmax()))
         logits = engine.run(state, ids[-1:])
-        steps.append(logits[-1])
+        got.append(logits[-1])
     with torch.no_grad():
         want = ref(input_ids=torch.tensor([ids])).logits[0, len(prompt):].float()
-    got = torch.stack(steps)
+    got = torch.stack(got)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def batched_and_solo(engine):
+    """One decode window's logits over five slots, and each slot's alone: bitwise equal."""
+    from tests.slot_helpers import decode_logits
+    from tests.tiny_models import VOCAB
 
     prompts = {i: [(i * 29 + j * 13 + 5) % VOCAB for j in range(4 + 3 * i)] for i in range(5)}
     together = decode_logits(engine.init_slots(5), prompts)
     for i, p in prompts.items():
         alone = decode_logits(engine.init_slots(1), {0: p})
         assert torch.equal(together[i], alone[0]), i
+    return prompts, together
+
+
+@pytest.mark.skipif(not cpu_packed.available(), reason=f"no CPU packed kernel here: {cpu_packed.why()}")
+def test_a_whole_stage_in_one_call_is_transformers_and_each_row_its_own(qwen3):
+    from tests.slot_helpers import decode_logits
+
+    engine, ref = qwen3
+    forward = engine.stages[0].forward
+    assert forward.host_stage is not None  # every matrix packed for the CPU's kernel, q/k norms in the stage
+    transformers_check(engine, ref)
+    prompts, together = batched_and_solo(engine)
     stage, forward.host_stage = forward.host_stage, None  # the per-layer path: the same steps, torch's silu
     try:
         per_layer = decode_logits(engine.init_slots(5), prompts)
@@ -225,3 +247,58 @@ def test_the_cell_table_is_the_same_read_from_the_pool_or_from_each_sequence(qwe
     half = StatePool(spec, range(spec.num_layers), 1, 16, torch.device("cpu"), torch.bfloat16)
     mixed = Window.build([(states[0], [1], True), (SessionState(half, 0), [1], True)], torch.device("cpu"))
     assert cpu_decode.cell_table(mixed, layers, head_cells) is None  # bfloat16 cells: torch's ops
+
+
+@pytest.mark.skipif(not cpu_packed.available(), reason=f"no CPU packed kernel here: {cpu_packed.why()}")
+def test_routed_experts_in_one_call_are_transformers_and_each_row_its_own(qwen3_moe, monkeypatch):
+    """A MoE stage's decode rows: each layer's routed experts in one call (`cpu_decode.experts`) against
+    transformers over the same quantized values, batched rows bitwise their solo rows, and the same as torch's loop
+    over the experts (to float32 rounding: each row's pairs are summed in its choices' order here, by expert there)."""
+    from tests.slot_helpers import decode_logits
+
+    engine, ref = qwen3_moe
+    calls = []
+    experts = cpu_decode.experts
+    monkeypatch.setattr(cpu_decode, "experts", lambda *a: calls.append(a[0].shape[0]) or experts(*a))
+    transformers_check(engine, ref)
+    assert calls and set(calls) == {1}  # every decode step's MoE layers, one row each
+    prompts, together = batched_and_solo(engine)
+    assert 5 in calls
+    monkeypatch.setattr(cpu_decode, "takes_experts", lambda *a: False)
+    looped = decode_logits(engine.init_slots(5), prompts)
+    assert torch.allclose(together, looped, atol=1e-5, rtol=0)
+    assert torch.equal(together.argmax(-1), looped.argmax(-1))
+
+
+def test_experts_skip_ids_not_held_and_sum_each_rows_choices():
+    """`experts` against the per-pair sum written out: an id past E adds nothing; a row alone is bitwise itself."""
+    import gguf
+
+    from strata.kernels.elementwise import silu_mul
+    from strata.quant import gguf_blocks
+    from strata.quant.packed import dequantize
+
+    torch.manual_seed(5)
+    e, h, i = 4, 64, 32
+
+    def stack(n, k):
+        q = gguf.GGMLQuantizationType.Q8_0
+        w = gguf_blocks.from_gguf(gguf_blocks.quantize(torch.randn(e * n, k) * 0.1, q), q, (e * n, k))
+        w.host_kernel = True
+        return w.reshape_rows(e, n)
+
+    gate_up, down = stack(2 * i, h), stack(h, i)
+    x = torch.randn(3, h)
+    ids = torch.tensor([[2, 0], [1, 9], [2, 2]])  # 9: not held here
+    weights = torch.rand(3, 2)
+    out = cpu_decode.experts(x, weights, ids, gate_up, down)
+    gu, dn = dequantize(gate_up), dequantize(down)
+    want = torch.zeros(3, h, dtype=torch.float64)
+    for r in range(3):
+        for j in range(2):
+            if ids[r, j] < e:
+                y = silu_mul((x[r:r + 1].double() @ gu[ids[r, j]].double().T)) @ dn[ids[r, j]].double().T
+                want[r] += weights[r, j].double() * y[0]
+    assert torch.allclose(out.double(), want, atol=1e-5, rtol=0)
+    for r in range(3):
+        assert torch.equal(cpu_decode.experts(x[r:r + 1], weights[r:r + 1], ids[r:r + 1], gate_up, down)[0], out[r])

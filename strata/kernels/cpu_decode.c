@@ -260,3 +260,76 @@ int cpu_decode_stage(const Stage *st, const Layer *layers, linear_fn linear, flo
     free(h), free(qkv), free(att), free(delta), free(gu), free(act);
     return failed;
 }
+
+/* Decode rows' routed experts on packed weights: out [R][H] = for each row r, the sum over its k choices j in order
+   of weight[r][j] * down_e(silu(gate) * up), gate | up = gate_up_e(x[r]), e = ids[r][j] (an id >= E adds nothing: an
+   expert not held here). gate_up: E records [2I][gu_rb] bytes apart by gu_stride; down: E records [H][dn_rb] by
+   dn_stride; formats gu_fmt, dn_fmt. Each expert a row routes to is one task (its rows gathered, its two products on
+   one thread each, or every thread where the window routes to one expert): the threads share the experts, and every row's result is summed in its
+   choices' order, whatever the other rows: a row alone equals itself beside others. Returns 1 where memory could
+   not be had. */
+int cpu_decode_experts(linear_fn linear, const float *x, int64_t R, int64_t H, int64_t I, int64_t k,
+                       const int64_t *ids, const float *weight, int64_t E, int gu_fmt, const uint8_t *gate_up,
+                       int64_t gu_stride, int64_t gu_rb, int dn_fmt, const uint8_t *down, int64_t dn_stride,
+                       int64_t dn_rb, float *out, int threads) {
+    const int64_t P = R * k;
+    int64_t *order = malloc(sizeof(int64_t) * (P + 1)), *starts = malloc(sizeof(int64_t) * (P + 1));
+    float *y = malloc(sizeof(float) * (P ? P : 1) * H);
+    int failed = !order || !starts || !y, tasks = 0;
+    if (!failed) {
+        /* the pairs grouped by expert (a counting pass, stable), skipping ids not held here */
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++) {
+            int64_t first = n;
+            for (int64_t p = 0; p < P; p++)
+                if (ids[p] == e)
+                    order[n++] = p;
+            if (n > first)
+                starts[tasks++] = first;
+        }
+        starts[tasks] = n;
+    }
+    const int inner = tasks == 1 ? threads : 1;  /* one expert: its products on every thread */
+#pragma omp parallel num_threads(threads) if (!failed && tasks > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < (failed ? 0 : tasks); t++) {
+            const int64_t first = starts[t], m = starts[t + 1] - first, e = ids[order[first]];
+            float *xg = malloc(sizeof(float) * m * H), *gu = malloc(sizeof(float) * m * 2 * I);
+            float *act = malloc(sizeof(float) * m * I), *yd = malloc(sizeof(float) * m * H);
+            int bad = !xg || !gu || !act || !yd;
+            if (!bad) {
+                for (int64_t i = 0; i < m; i++)
+                    memcpy(xg + i * H, x + order[first + i] / k * H, sizeof(float) * H);
+                bad = linear(gu_fmt, xg, m, H, gate_up + e * gu_stride, 2 * I, gu_rb, NULL, gu, inner) != 0;
+            }
+            if (!bad) {
+                silu_mul(gu, m, I, act);
+                bad = linear(dn_fmt, act, m, I, down + e * dn_stride, H, dn_rb, NULL, yd, inner) != 0;
+            }
+            if (!bad)
+                for (int64_t i = 0; i < m; i++)
+                    memcpy(y + order[first + i] * H, yd + i * H, sizeof(float) * H);
+            else {
+#pragma omp atomic write
+                failed = 1;
+            }
+            free(xg), free(gu), free(act), free(yd);
+        }
+    }
+    if (!failed)
+        for (int64_t r = 0; r < R; r++) {
+            float *o = out + r * H;
+            memset(o, 0, sizeof(float) * H);
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t p = r * k + j;
+                if (ids[p] < 0 || ids[p] >= E)
+                    continue;
+                const float w = weight[p], *yp = y + p * H;
+                for (int64_t h = 0; h < H; h++)
+                    o[h] = o[h] + w * yp[h];
+            }
+        }
+    free(order), free(starts), free(y);
+    return failed;
+}

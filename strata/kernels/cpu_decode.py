@@ -54,6 +54,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
     lib.cpu_decode_attention.restype = i32
     lib.cpu_decode_stage.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i32]
     lib.cpu_decode_stage.restype = i32
+    lib.cpu_decode_experts.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32, ptr, i64, i64, i32, ptr, i64,
+                                       i64, ptr, i32]
+    lib.cpu_decode_experts.restype = i32
     return lib, ""
 
 
@@ -83,6 +86,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _load().cpu_decode_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, r,
                                 d, summed.data_ptr(), out.data_ptr())
     return out, summed
+
+
+def takes_experts(x: torch.Tensor, gate_up, down) -> bool:
+    """Whether `experts` takes these rows and stacked experts: float32 rows on the CPU, both matrices packed for the
+    CPU's kernel ([E, N, K] records, `cpu_packed.FORMATS`), the libraries at hand."""
+    from strata.kernels import cpu_packed
+    from strata.quant.packed import PackedWeight
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and available() and cpu_packed.available()
+            and all(isinstance(w, PackedWeight) and w.host_kernel and w.ndim == 3 and w.fmt in cpu_packed.FORMATS
+                    and w.data.is_contiguous() for w in (gate_up, down)))
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """Decode rows' routed experts in one call: x [R, H] float32, weights, ids [R, k] (each row's choices; an id >=
+    E: an expert not held here, adding nothing), gate_up [E, 2I, H], down [E, H, I] packed (`takes_experts`) ->
+    [R, H], each row the sum over its choices in order of weight x down(silu(gate) x up); a row alone equals itself
+    beside others."""
+    from strata.kernels import cpu_packed
+
+    r, h = x.shape
+    e, two_i, _ = gate_up.shape
+    x = x.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.float().contiguous()
+    out = torch.empty(r, h)
+    lib = _load()
+    linear = ctypes.cast(cpu_packed._load().cpu_packed_linear, ctypes.c_void_p)
+    fmt = cpu_packed.FORMATS.index
+    if r and lib.cpu_decode_experts(
+            linear, x.data_ptr(), r, h, two_i // 2, ids.shape[1], ids.data_ptr(), weights.data_ptr(), e,
+            fmt(gate_up.fmt), gate_up.data.data_ptr(), gate_up.data.stride(0), gate_up.data.shape[-1],
+            fmt(down.fmt), down.data.data_ptr(), down.data.stride(0), down.data.shape[-1], out.data_ptr(),
+            torch.get_num_threads()):
+        raise MemoryError("cpu_decode.experts: no memory for its buffers")
+    return out
 
 
 def cell_table(window, layers: list[int], head_cells: int) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels import cpu_decode
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
@@ -47,6 +48,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     An id >= E names an expert not held here (the CPU expert pool computes it): its pair adds nothing. Packed
     experts are written out whole first (this reference is not the path a GPU's windows take), but for the CPU's own
     kernel, which reads each expert's records as they are (`strata.kernels.cpu_packed`)."""
+    if rows is not plain and cpu_decode.takes_experts(x, gate_up, down):  # decode rows on the CPU's packed kernel:
+        return cpu_decode.experts(x, weights, ids, gate_up, down)  # one C call for the window's pairs
     gate_up, down = (w if getattr(w, "host_kernel", False) else plain_weight(w, x.dtype) for w in (gate_up, down))
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
