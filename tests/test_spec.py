@@ -580,3 +580,29 @@ def test_the_default_models_mtp_head_drafts_what_the_model_writes(default_engine
     head = engine.weights.lm_head
     assert getattr(head, "host_kernel", False) == (getattr(mtp["head"], "host_kernel", False))
     assert tuple(mtp["head"].shape) == (8192, head.shape[1])
+
+
+def test_on_the_packed_cpu_kernel_no_row_comes_free_and_mtp_drafts_are_not_proposed(caplog):
+    """The embedded default's products run on the CPU's packed kernel, each row unpadded: its block is one row, so
+    MTP drafts (kept to free rows) are not proposed, and the log says why; n-gram drafts still are."""
+    import logging
+
+    from strata.model.loader import ModelFiles
+
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        engine = Engine(ModelFiles.open("default"), max_cells=256, speculative=parse_spec("mtp:2"))
+        slots = engine.init_slots(1)
+    assert slots.row_block == 1
+    assert any("are not proposed" in r.getMessage() for r in caplog.records)
+    ids = engine.tokenizer.encode("Repeat: one two three one two three one two three")
+    slots.admit(0, ids, 12, stop_ids=NO_STOP)
+    while slots.active or slots.in_flight:
+        slots.step()
+    assert slots.spec_counts["draft_tokens"] == 0
+    ngram = Engine(ModelFiles.open("default"), max_cells=256,
+                   speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1)).init_slots(1)
+    assert ngram.row_block == 1 and not ngram.speculative.keeps_to_free_rows
+    ngram.admit(0, ids, 12, stop_ids=NO_STOP)
+    while ngram.active or ngram.in_flight:
+        ngram.step()
+    assert ngram.spec_counts["draft_tokens"] > 0

@@ -171,9 +171,15 @@ class Slots:
         self._flight: deque[SlotWindow] = deque()  # launched windows not read yet, oldest first
         self._read_log: deque[tuple[int, int]] = deque(maxlen=4096)  # (decode rows, prompt rows) of windows read
         self.speculative = engine.speculative  # drafts verified in the windows (`strata.runtime.drafts`), or None
-        # on the CPU's torch kernels a decode window's products run in blocks of this many rows (`row_block`)
-        self.row_block = (row_block(engine.dtype) if self.speculative and engine.device.type == "cpu"
+        # on the CPU's torch kernels a decode window's products run in blocks of this many rows (`row_block`); on
+        # the CPU's packed kernel each row on its own, unpadded (1: no row comes free, each costs its share)
+        self.row_block = (_decode_block(engine) if self.speculative and engine.device.type == "cpu"
                           and engine.kernels == "torch" else None)
+        if self.row_block == 1 and self.speculative.keeps_to_free_rows:
+            log.warning("--spec %s:%d: this CPU engine's products run on its packed kernel, where no row comes free "
+                        "and each drafted row costs about a third of a decode row; drafts kept to free rows (MTP's) "
+                        "are not proposed (measured: no gain at one slot, 0.83-0.90x at four; n-gram drafts are)",
+                        self.speculative.method, self.speculative.num_speculative_tokens)
         # vLLM's spec_decode counters: windows with drafts (one per drafting slot), drafted and accepted tokens,
         # and accepted tokens by draft position
         self.spec_counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
@@ -843,3 +849,12 @@ class Slots:
                 self._release(slot)
             events.append(Event(i, token, reason, logprobs[j] if logprobs else None))
         return events
+
+
+def _decode_block(engine) -> int:
+    """The rows a CPU engine's decode products take at once: 1 where its matrices are packed for the CPU's own kernel
+    (`strata.kernels.cpu_packed`: rows unpadded, a row more costs about a third of one on SmolLM2), else the measured
+    block of oneDNN's products (`row_block`)."""
+    packed = any(getattr(w, "host_kernel", False) for stage in engine.stages
+                 for layer in stage.forward.weights.layers.values() for w in layer.values())
+    return 1 if packed else row_block(engine.dtype)
