@@ -290,10 +290,11 @@ int cpu_decode_experts(linear_fn linear, const float *x, int64_t R, int64_t H, i
         starts[tasks] = n;
     }
     const int inner = tasks == 1 ? threads : 1;  /* one expert: its products on every thread */
-#pragma omp parallel num_threads(threads) if (!failed && tasks > 1)
+    const int n_tasks = failed ? 0 : tasks;
+#pragma omp parallel num_threads(threads) if (n_tasks > 1)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < (failed ? 0 : tasks); t++) {
+        for (int t = 0; t < n_tasks; t++) {
             const int64_t first = starts[t], m = starts[t + 1] - first, e = ids[order[first]];
             float *xg = malloc(sizeof(float) * m * H), *gu = malloc(sizeof(float) * m * 2 * I);
             float *act = malloc(sizeof(float) * m * I), *yd = malloc(sizeof(float) * m * H);
