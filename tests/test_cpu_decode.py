@@ -250,24 +250,29 @@ def test_the_cell_table_is_the_same_read_from_the_pool_or_from_each_sequence(qwe
 
 
 @pytest.mark.skipif(not cpu_packed.available(), reason=f"no CPU packed kernel here: {cpu_packed.why()}")
-def test_routed_experts_in_one_call_are_transformers_and_each_row_its_own(qwen3_moe, monkeypatch):
-    """A MoE stage's decode rows: each layer's routed experts in one call (`cpu_decode.experts`) against
-    transformers over the same quantized values, batched rows bitwise their solo rows, and the same as torch's loop
-    over the experts (to float32 rounding: each row's pairs are summed in its choices' order here, by expert there)."""
+def test_a_moe_stage_in_one_call_is_transformers_and_each_row_its_own(qwen3_moe, monkeypatch):
+    """A Qwen3-MoE stage's decode rows in one call (`Stage`: routing and each layer's routed experts in C too)
+    against transformers over the same quantized values and batched == solo bitwise; then layer by layer, the routed
+    experts one call a layer (`cpu_decode.experts`), and torch's loop over the experts: the same tokens, the logits
+    to float32 rounding (each row's pairs are summed in its choices' order in C, by expert in torch's loop)."""
     from tests.slot_helpers import decode_logits
 
     engine, ref = qwen3_moe
+    forward = engine.stages[0].forward
+    assert forward.host_stage is not None
+    transformers_check(engine, ref)
+    prompts, together = batched_and_solo(engine)
     calls = []
     experts = cpu_decode.experts
     monkeypatch.setattr(cpu_decode, "experts", lambda *a: calls.append(a[0].shape[0]) or experts(*a))
-    transformers_check(engine, ref)
-    assert calls and set(calls) == {1}  # every decode step's MoE layers, one row each
-    prompts, together = batched_and_solo(engine)
-    assert 5 in calls
+    monkeypatch.setattr(forward, "host_stage", None)
+    per_layer = decode_logits(engine.init_slots(5), prompts)
+    assert calls and set(calls) == {5}  # each MoE layer of the decode window, its five rows in one call
     monkeypatch.setattr(cpu_decode, "takes_experts", lambda *a: False)
     looped = decode_logits(engine.init_slots(5), prompts)
-    assert torch.allclose(together, looped, atol=1e-5, rtol=0)
-    assert torch.equal(together.argmax(-1), looped.argmax(-1))
+    for other in (per_layer, looped):
+        assert torch.allclose(together, other, atol=1e-5, rtol=0)
+        assert torch.equal(together.argmax(-1), other.argmax(-1))
 
 
 def test_experts_skip_ids_not_held_and_sum_each_rows_choices():

@@ -199,13 +199,15 @@ typedef struct {  /* a packed matrix [n][k]: records of row_bytes in the kernel'
     const float *bias;
 } Matrix;
 
-typedef struct {  /* one dense attention layer of a stage */
+typedef struct {  /* one attention layer of a stage, its MLP dense (gate_up, down) or routed experts (router) */
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  /* q_norm, k_norm NULL: none */
     Matrix qkv, o, gate_up, down;
+    const float *router;  /* [n_experts][hidden] float32, NULL for a dense MLP; then gate_up / down are the experts' */
+    int64_t n_experts, top_k, norm_topk, expert_dim, gate_up_stride, down_stride;  /* (bytes an expert) */
 } Layer;
 
 typedef struct {  /* the stage's shapes */
-    int64_t n_layers, hidden, H, Hkv, D, q_head_stride, rot, inter;
+    int64_t n_layers, hidden, H, Hkv, D, q_head_stride, rot, inter;  /* inter: the dense MLPs' (0: none) */
     float eps, scale;
 } Stage;
 
@@ -219,46 +221,6 @@ static void silu_mul(const float *gate_up, int64_t R, int64_t I, float *out) {
 
 static int product(linear_fn linear, const Matrix *m, const float *x, int64_t R, float *y, int threads) {
     return linear((int)m->fmt, x, R, m->k, m->data, m->n, m->row_bytes, m->bias, y, threads);
-}
-
-/* A stage of dense attention layers over R decode rows in one call: x [R][hidden] (the rows' hidden states, the
-   stage's input) becomes the stage's output, x + each layer's attention and MLP outputs in turn, exactly the
-   steps of the torch path (norm, qkv, `cpu_decode_attention`, o, add + norm, gate_up, silu x up, down) with the
-   products on the packed kernel. cells[(layer * 2 + 0 or 1) * R + r]: row r's sequence's K or V cells of that layer
-   (cell c at + c * s_cell). Returns 0, or 1 where memory could not be had (x then holds no meaningful rows). */
-int cpu_decode_stage(const Stage *st, const Layer *layers, linear_fn linear, float *x, int64_t R, const float *cos,
-                     const float *sin, float *const *cells, int64_t s_cell, const int64_t *pos, int threads) {
-    const int64_t hd = st->hidden, qkv_n = layers[0].qkv.n, att_n = st->H * st->D, I = st->inter;
-    float *h = malloc(sizeof(float) * R * hd);
-    float *qkv = malloc(sizeof(float) * R * qkv_n), *att = malloc(sizeof(float) * R * att_n);
-    float *delta = malloc(sizeof(float) * R * hd), *gu = malloc(sizeof(float) * R * 2 * I);
-    float *act = malloc(sizeof(float) * R * I);
-    int failed = !h || !qkv || !att || !delta || !gu || !act;
-    for (int64_t i = 0; i < st->n_layers && !failed; i++) {
-        const Layer *L = &layers[i];
-        /* x + the last MLP's output (none before the first layer), normed */
-        cpu_decode_rms_norm(x, i ? delta : NULL, L->attn_norm, st->eps, R, hd, x, h);
-        failed |= product(linear, &L->qkv, h, R, qkv, threads) != 0;
-        if (failed)
-            break;
-        failed |= cpu_decode_attention(qkv, R, qkv_n, (int)st->H, (int)st->Hkv, (int)st->D, (int)st->q_head_stride,
-                                       (int)st->rot, cos, sin, L->q_norm, L->k_norm, st->eps, cells + (i * 2) * R,
-                                       cells + (i * 2 + 1) * R, s_cell, pos, st->scale, att, threads) != 0;
-        failed |= !failed && product(linear, &L->o, att, R, delta, threads) != 0;
-        if (failed)
-            break;
-        cpu_decode_rms_norm(x, delta, L->mlp_norm, st->eps, R, hd, x, h);
-        failed |= product(linear, &L->gate_up, h, R, gu, threads) != 0;
-        if (failed)
-            break;
-        silu_mul(gu, R, I, act);
-        failed |= product(linear, &L->down, act, R, delta, threads) != 0;
-    }
-    if (!failed)
-        for (int64_t j = 0; j < R * hd; j++)
-            x[j] = x[j] + delta[j];
-    free(h), free(qkv), free(att), free(delta), free(gu), free(act);
-    return failed;
 }
 
 /* Decode rows' routed experts on packed weights: out [R][H] = for each row r, the sum over its k choices j in order
@@ -332,5 +294,104 @@ int cpu_decode_experts(linear_fn linear, const float *x, int64_t R, int64_t H, i
             }
         }
     free(order), free(starts), free(y);
+    return failed;
+}
+
+/* Each row's top-k experts as `strata.kernels.moe.route` picks them: softmax over h @ router.T (each logit summed
+   in 8 fixed lanes and one fixed tree, the softmax in float32 in expert order), the k largest (on a tie the lower
+   id first), renormalised to sum to 1 where norm_topk. ids, weight: [R][k]. */
+static void route(const float *h, int64_t R, int64_t H, const float *router, int64_t E, int64_t k, int norm,
+                  float *probs, int64_t *ids, float *weight) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *x = h + r * H;
+        float top = -INFINITY;
+        for (int64_t e = 0; e < E; e++) {
+            const float *w = router + e * H;
+            __m256 acc = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= H; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+            float l = hsum(acc);
+            for (; i < H; i++)
+                l += x[i] * w[i];
+            probs[e] = l;
+            top = l > top ? l : top;
+        }
+        float total = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            probs[e] = expf(probs[e] - top);
+            total += probs[e];
+        }
+        float picked = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best]))
+                    best = e;
+            ids[r * k + j] = best;
+            weight[r * k + j] = probs[best] / total;
+            picked += weight[r * k + j];
+            probs[best] = -1.0f;  /* taken */
+        }
+        if (norm)
+            for (int64_t j = 0; j < k; j++)
+                weight[r * k + j] = weight[r * k + j] / picked;
+    }
+}
+
+/* A stage of attention layers over R decode rows in one call: x [R][hidden] (the rows' hidden states, the stage's
+   input) becomes the stage's output, x + each layer's attention and MLP outputs in turn, the steps of the torch path
+   (norm, qkv, `cpu_decode_attention`, o, add + norm, then gate_up, silu x up, down, or the routed experts:
+   `route`, `cpu_decode_experts`) with the products on the packed kernel. cells[(layer * 2 + 0 or 1) * R + r]: row
+   r's sequence's K or V cells of that layer (cell c at + c * s_cell). Returns 0, or 1 where memory could not be
+   had (x then holds no meaningful rows). */
+int cpu_decode_stage(const Stage *st, const Layer *layers, linear_fn linear, float *x, int64_t R, const float *cos,
+                     const float *sin, float *const *cells, int64_t s_cell, const int64_t *pos, int threads) {
+    const int64_t hd = st->hidden, qkv_n = layers[0].qkv.n, att_n = st->H * st->D, I = st->inter;
+    int64_t most_experts = 1, most_k = 1;
+    for (int64_t i = 0; i < st->n_layers; i++)
+        if (layers[i].router) {
+            most_experts = layers[i].n_experts > most_experts ? layers[i].n_experts : most_experts;
+            most_k = layers[i].top_k > most_k ? layers[i].top_k : most_k;
+        }
+    float *h = malloc(sizeof(float) * R * hd);
+    float *qkv = malloc(sizeof(float) * R * qkv_n), *att = malloc(sizeof(float) * R * att_n);
+    float *delta = malloc(sizeof(float) * R * hd), *gu = malloc(sizeof(float) * (R * 2 * I + 1));
+    float *act = malloc(sizeof(float) * (R * I + 1)), *probs = malloc(sizeof(float) * most_experts);
+    float *weight = malloc(sizeof(float) * R * most_k);
+    int64_t *ids = malloc(sizeof(int64_t) * R * most_k);
+    int failed = !h || !qkv || !att || !delta || !gu || !act || !probs || !weight || !ids;
+    for (int64_t i = 0; i < st->n_layers && !failed; i++) {
+        const Layer *L = &layers[i];
+        /* x + the last MLP's output (none before the first layer), normed */
+        cpu_decode_rms_norm(x, i ? delta : NULL, L->attn_norm, st->eps, R, hd, x, h);
+        failed |= product(linear, &L->qkv, h, R, qkv, threads) != 0;
+        if (failed)
+            break;
+        failed |= cpu_decode_attention(qkv, R, qkv_n, (int)st->H, (int)st->Hkv, (int)st->D, (int)st->q_head_stride,
+                                       (int)st->rot, cos, sin, L->q_norm, L->k_norm, st->eps, cells + (i * 2) * R,
+                                       cells + (i * 2 + 1) * R, s_cell, pos, st->scale, att, threads) != 0;
+        failed |= !failed && product(linear, &L->o, att, R, delta, threads) != 0;
+        if (failed)
+            break;
+        cpu_decode_rms_norm(x, delta, L->mlp_norm, st->eps, R, hd, x, h);
+        if (L->router) {
+            route(h, R, hd, L->router, L->n_experts, L->top_k, (int)L->norm_topk, probs, ids, weight);
+            failed |= cpu_decode_experts(linear, h, R, hd, L->expert_dim, L->top_k, ids, weight, L->n_experts,
+                                         (int)L->gate_up.fmt, L->gate_up.data, L->gate_up_stride,
+                                         L->gate_up.row_bytes, (int)L->down.fmt, L->down.data, L->down_stride,
+                                         L->down.row_bytes, delta, threads) != 0;
+            continue;
+        }
+        failed |= product(linear, &L->gate_up, h, R, gu, threads) != 0;
+        if (failed)
+            break;
+        silu_mul(gu, R, I, act);
+        failed |= product(linear, &L->down, act, R, delta, threads) != 0;
+    }
+    if (!failed)
+        for (int64_t j = 0; j < R * hd; j++)
+            x[j] = x[j] + delta[j];
+    free(h), free(qkv), free(att), free(delta), free(gu), free(act), free(probs), free(weight), free(ids);
     return failed;
 }

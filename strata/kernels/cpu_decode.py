@@ -10,9 +10,10 @@ padded to a block) than in its products. `cpu_decode.c` does each of those runs 
   value written to its sequence's cell, and each query head over its sequence's cells (float32 cells, found by
   address: `cell_table`);
 - `experts`: a MoE layer's routed experts on packed weights (each expert a task of its own);
-- `Stage`: every layer of a stage of dense attention layers whose matrices are all on the packed kernel
-  (`strata.kernels.cpu_packed`), the products through that library's own function: one call a decode window
-  (7.7 -> 3.7 ms a step of the default with the attention and then the stage in C, A/B in process).
+- `Stage`: every layer of a stage of attention layers whose matrices are all on the packed kernel
+  (`strata.kernels.cpu_packed`), dense MLPs or routed experts (routing included), the products through that
+  library's own function: one call a decode window (7.7 -> 3.7 ms a step of the default with the attention and then
+  the stage in C, A/B in process).
 
 Every output is computed by one thread in one fixed order from its own row and its own sequence's cells, so a row
 is bitwise the same alone or beside others (the row invariance decode windows need). The library is
@@ -195,7 +196,9 @@ class _Matrix(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
-                ("down", _Matrix)]
+                ("down", _Matrix), ("router", ctypes.c_void_p)] + [
+                (name, ctypes.c_int64) for name in ("n_experts", "top_k", "norm_topk", "expert_dim",
+                                                    "gate_up_stride", "down_stride")]
 
 
 class _Stage(ctypes.Structure):
@@ -204,35 +207,48 @@ class _Stage(ctypes.Structure):
 
 
 class Stage:
-    """A stage of dense attention layers whose matrices are all on the CPU's packed kernel, run over a decode
-    window's rows in one C call (`cpu_decode_stage`): the torch path's steps (norm, qkv, `attention`, o, add + norm,
-    gate_up, silu x up, down, layer after layer), its Python between them gone. `of` says whether a stage qualifies."""
+    """A stage of attention layers whose matrices are all on the CPU's packed kernel, its MLPs dense or routed
+    experts without a shared one (Llama, Qwen3, Qwen3-MoE), run over a decode window's rows in one C call
+    (`cpu_decode_stage`): the torch path's steps (norm, qkv, `attention`, o, add + norm, then gate_up, silu x up,
+    down, or the router's top-k and `experts`, layer after layer), its Python between them gone. `of` says whether a
+    stage qualifies."""
 
-    MATRICES = ("qkv", "o", "gate_up", "down")
+    MATRICES = {"dense": ("qkv", "o", "gate_up", "down"), "moe": ("qkv", "o", "experts_gate_up", "experts_down")}
 
     def __init__(self, spec, layers: dict[int, dict], scale: float):
         from strata.kernels import cpu_packed
 
         a = spec.attention
         self.layers = list(layers)
-        self._keep = []  # the float32 tensors the C structs point into
+        self._keep = []  # the tensors the C structs point into
+
+        def matrix(m, bias=None) -> _Matrix:
+            if bias is not None:
+                bias = bias.float().contiguous()
+                self._keep.append(bias)
+            self._keep.append(m.data)
+            return _Matrix(cpu_packed.FORMATS.index(m.fmt), m.shape[-2], m.shape[-1], m.data.shape[-1],
+                           m.data.data_ptr(), None if bias is None else bias.data_ptr())
+
         table = (_Layer * len(layers))()
-        for slot, w in zip(table, layers.values()):
+        for slot, (i, w) in zip(table, layers.items()):
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 t = w.get(name) if name in ("attn_norm", "mlp_norm") or a.qk_norm else None
                 if t is not None:
                     t = t.float().contiguous()
                     self._keep.append(t)
                 setattr(slot, name, None if t is None else t.data_ptr())
-            for name in self.MATRICES:
-                m = w[name]
-                bias = w.get("qkv_bias") if name == "qkv" else None
-                if bias is not None:
-                    bias = bias.float().contiguous()
-                    self._keep.append(bias)
-                self._keep.append(m.data)
-                setattr(slot, name, _Matrix(cpu_packed.FORMATS.index(m.fmt), m.shape[0], m.shape[1], m.data.shape[1],
-                                            m.data.data_ptr(), None if bias is None else bias.data_ptr()))
+            slot.qkv, slot.o = matrix(w["qkv"], w.get("qkv_bias")), matrix(w["o"])
+            if spec.layers[i].mlp == "dense":
+                slot.gate_up, slot.down = matrix(w["gate_up"]), matrix(w["down"])
+                continue
+            m = spec.moe
+            router = w["router"].float().contiguous()
+            self._keep.append(router)
+            gate_up, down = w["experts_gate_up"], w["experts_down"]
+            slot.gate_up, slot.down, slot.router = matrix(gate_up), matrix(down), router.data_ptr()
+            slot.n_experts, slot.top_k, slot.norm_topk, slot.expert_dim = m.num_experts, m.top_k, m.norm_topk, m.expert_dim
+            slot.gate_up_stride, slot.down_stride = gate_up.data.stride(0), down.data.stride(0)
         self._table = table
         self._shape = _Stage(len(layers), spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim,
                              a.rotary_dim, spec.dense_dim, spec.rms_eps, scale)
@@ -241,17 +257,33 @@ class Stage:
 
     @classmethod
     def of(cls, spec, layers: dict[int, dict]) -> bool:
-        """Whether `Stage` runs these layers: every one dense attention (no output gate), D a multiple of 8, its four
-        matrices packed for the CPU's kernel (`cpu_packed.serves`), the libraries at hand."""
+        """Whether `Stage` runs these layers: every one an attention layer (no output gate, D a multiple of 8) with a
+        dense MLP or routed experts of all its experts and no shared one, its matrices packed for the CPU's kernel
+        (`cpu_packed.serves`; the experts' stacked likewise), the libraries at hand."""
         from strata.kernels import cpu_packed
 
         a = spec.attention
         if not (available() and cpu_packed.available() and layers and not a.output_gate and a.head_dim % 8 == 0):
             return False
-        return all(spec.layers[i].mixer == "attention" and spec.layers[i].mlp == "dense"
-                   and tuple(w["gate_up"].shape) == (2 * spec.dense_dim, spec.hidden_size)
-                   and all(getattr(w.get(m), "host_kernel", False) and cpu_packed.serves(w[m]) for m in cls.MATRICES)
-                   for i, w in layers.items())
+
+        def takes(i: int, w: dict) -> bool:
+            kind = spec.layers[i].mlp
+            if spec.layers[i].mixer != "attention" or kind not in cls.MATRICES:
+                return False
+            if not all(getattr(w.get(m), "host_kernel", False) for m in cls.MATRICES[kind]):
+                return False
+            if kind == "dense":
+                return (tuple(w["gate_up"].shape) == (2 * spec.dense_dim, spec.hidden_size)
+                        and all(cpu_packed.serves(w[m]) for m in cls.MATRICES[kind]))
+            m = spec.moe
+            experts = (w["experts_gate_up"], w["experts_down"])
+            return (not m.shared_dim and w["router"].dim() == 2 and w["router"].shape[0] == m.num_experts
+                    and all(cpu_packed.serves(w[n]) for n in ("qkv", "o"))
+                    and tuple(experts[0].shape) == (m.num_experts, 2 * m.expert_dim, spec.hidden_size)
+                    and tuple(experts[1].shape) == (m.num_experts, spec.hidden_size, m.expert_dim)
+                    and all(e.fmt in cpu_packed.FORMATS and e.data.is_contiguous() for e in experts))
+
+        return all(takes(i, w) for i, w in layers.items())
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cells: torch.Tensor,
             positions: torch.Tensor) -> torch.Tensor:
