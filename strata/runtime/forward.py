@@ -54,8 +54,9 @@ class Forward:
         # (`strata.kernels.cpu_decode`): one call each a layer, no padding to a block of rows, each row on its own
         self.host_decode = (torch.device(device).type == "cpu" and dtype == torch.float32 and kernels == "torch"
                             and cpu_decode.available())
-        # a stage of dense attention layers whose matrices are all on the CPU's packed kernel: its decode rows go
-        # through every layer in one C call (`cpu_decode.Stage`), the same steps without Python between them
+        # a stage of attention layers (dense MLPs, or routed experts without a shared one) whose matrices are all on
+        # the CPU's packed kernel: its decode rows go through every layer in one C call (`cpu_decode.Stage`), the
+        # same steps without Python between them
         self.host_stage = (cpu_decode.Stage(spec, weights.layers, self.scale)
                            if self.host_decode and cpu_decode.Stage.of(spec, weights.layers) else None)
         self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
