@@ -87,13 +87,13 @@ def bench_transformers(ids: list[int], tokens: int) -> dict:
     return {"load_s": load, "tok_s": tokens / decode}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--rounds", type=int, default=3, help="turns of each decode path (the best is kept)")
     parser.add_argument("--skip-transformers", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     bw = copy_bandwidth()

@@ -60,6 +60,25 @@ def test_cpu_packed_bench_runs(capsys, monkeypatch):
     assert all(float(v) > 0 for v in row[1:5] if v != "nan"), row
 
 
+def test_cpu_default_bench_runs_each_decode_path(capsys, monkeypatch):
+    """bench/cpu_default.py: the embedded default's decode rate on each way its decode rows can run between the
+    products (one call a stage, a call a layer, torch's ops), in one run, the first the stage's call."""
+    from strata.kernels import cpu_decode
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    spec = importlib.util.spec_from_file_location("bench_cpu_default_run", BENCH / "cpu_default.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tokens", "4", "--rounds", "1", "--skip-transformers"])
+    out = capsys.readouterr().out
+    strata = next(line.split() for line in out.splitlines() if line.startswith("strata "))
+    assert float(strata[2]) > 0, out
+    paths = re.findall(r"between the products (.+?): ([0-9.]+) tok/s", out)
+    if cpu_decode.available():
+        assert [p for p, _ in paths] == ["one call a layer", "torch's ops"], out
+        assert all(float(rate) > 0 for _, rate in paths)
+
+
 def test_serve_bench_measures_a_pooled_engine_through_http_and_in_process(tmp_path, capsys, monkeypatch):
     """bench/serve.py with --expert-budget-gb (issue 29 through the server): a tiny Qwen3-MoE checkpoint with half its
     experts in host RAM, served by `strata serve` and run in process with the same settings; every stream answers,
