@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from strata.kernels import native_build
+from strata.kernels import cpu_packed, native_build
+from strata.quant.packed import PackedWeight
 
 log = logging.getLogger("strata.engine")
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
@@ -94,15 +95,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, summed
 
 
+def _linear_address() -> ctypes.c_void_p:
+    """The packed kernel's product (`cpu_packed_linear`), as the C code here calls it."""
+    return ctypes.cast(cpu_packed._load().cpu_packed_linear, ctypes.c_void_p)
+
+
+def _kernel_experts(w) -> bool:
+    """Whether w is a stack of experts [E, N, K] packed for the CPU's kernel, its records contiguous."""
+    return (isinstance(w, PackedWeight) and w.host_kernel and w.ndim == 3 and w.fmt in cpu_packed.FORMATS
+            and w.data.is_contiguous())
+
+
 def takes_experts(x: torch.Tensor, gate_up, down) -> bool:
     """Whether `experts` takes these rows and stacked experts: float32 rows on the CPU, both matrices packed for the
     CPU's kernel ([E, N, K] records, `cpu_packed.FORMATS`), the libraries at hand."""
-    from strata.kernels import cpu_packed
-    from strata.quant.packed import PackedWeight
-
     return (x.device.type == "cpu" and x.dtype == torch.float32 and available() and cpu_packed.available()
-            and all(isinstance(w, PackedWeight) and w.host_kernel and w.ndim == 3 and w.fmt in cpu_packed.FORMATS
-                    and w.data.is_contiguous() for w in (gate_up, down)))
+            and _kernel_experts(gate_up) and _kernel_experts(down))
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down) -> torch.Tensor:
@@ -110,19 +118,15 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, 
     E: an expert not held here, adding nothing), gate_up [E, 2I, H], down [E, H, I] packed (`takes_experts`) ->
     [R, H], each row the sum over its choices in order of weight x down(silu(gate) x up); a row alone equals itself
     beside others."""
-    from strata.kernels import cpu_packed
-
     r, h = x.shape
     e, two_i, _ = gate_up.shape
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.float().contiguous()
     out = torch.empty(r, h)
-    lib = _load()
-    linear = ctypes.cast(cpu_packed._load().cpu_packed_linear, ctypes.c_void_p)
     fmt = cpu_packed.FORMATS.index
-    if r and lib.cpu_decode_experts(
-            linear, x.data_ptr(), r, h, two_i // 2, ids.shape[1], ids.data_ptr(), weights.data_ptr(), e,
+    if r and _load().cpu_decode_experts(
+            _linear_address(), x.data_ptr(), r, h, two_i // 2, ids.shape[1], ids.data_ptr(), weights.data_ptr(), e,
             fmt(gate_up.fmt), gate_up.data.data_ptr(), gate_up.data.stride(0), gate_up.data.shape[-1],
             fmt(down.fmt), down.data.data_ptr(), down.data.stride(0), down.data.shape[-1], out.data_ptr(),
             torch.get_num_threads()):
@@ -213,11 +217,7 @@ class Stage:
     down, or the router's top-k and `experts`, layer after layer), its Python between them gone. `of` says whether a
     stage qualifies."""
 
-    MATRICES = {"dense": ("qkv", "o", "gate_up", "down"), "moe": ("qkv", "o", "experts_gate_up", "experts_down")}
-
     def __init__(self, spec, layers: dict[int, dict], scale: float):
-        from strata.kernels import cpu_packed
-
         a = spec.attention
         self.layers = list(layers)
         self._keep = []  # the tensors the C structs point into
@@ -252,7 +252,7 @@ class Stage:
         self._table = table
         self._shape = _Stage(len(layers), spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim,
                              a.rotary_dim, spec.dense_dim, spec.rms_eps, scale)
-        self._linear = ctypes.cast(cpu_packed._load().cpu_packed_linear, ctypes.c_void_p)
+        self._linear = _linear_address()
         self.head_cells = a.num_kv_heads * a.head_dim
 
     @classmethod
@@ -260,28 +260,25 @@ class Stage:
         """Whether `Stage` runs these layers: every one an attention layer (no output gate, D a multiple of 8) with a
         dense MLP or routed experts of all its experts and no shared one, its matrices packed for the CPU's kernel
         (`cpu_packed.serves`; the experts' stacked likewise), the libraries at hand."""
-        from strata.kernels import cpu_packed
-
         a = spec.attention
         if not (available() and cpu_packed.available() and layers and not a.output_gate and a.head_dim % 8 == 0):
             return False
 
         def takes(i: int, w: dict) -> bool:
             kind = spec.layers[i].mlp
-            if spec.layers[i].mixer != "attention" or kind not in cls.MATRICES:
+            if spec.layers[i].mixer != "attention" or kind not in ("dense", "moe"):
                 return False
-            if not all(getattr(w.get(m), "host_kernel", False) for m in cls.MATRICES[kind]):
+            matrices = ("qkv", "o", "gate_up", "down") if kind == "dense" else ("qkv", "o")
+            if not all(getattr(w.get(n), "host_kernel", False) and cpu_packed.serves(w[n]) for n in matrices):
                 return False
             if kind == "dense":
-                return (tuple(w["gate_up"].shape) == (2 * spec.dense_dim, spec.hidden_size)
-                        and all(cpu_packed.serves(w[m]) for m in cls.MATRICES[kind]))
+                return tuple(w["gate_up"].shape) == (2 * spec.dense_dim, spec.hidden_size)
             m = spec.moe
-            experts = (w["experts_gate_up"], w["experts_down"])
+            gate_up, down = w.get("experts_gate_up"), w.get("experts_down")
             return (not m.shared_dim and w["router"].dim() == 2 and w["router"].shape[0] == m.num_experts
-                    and all(cpu_packed.serves(w[n]) for n in ("qkv", "o"))
-                    and tuple(experts[0].shape) == (m.num_experts, 2 * m.expert_dim, spec.hidden_size)
-                    and tuple(experts[1].shape) == (m.num_experts, spec.hidden_size, m.expert_dim)
-                    and all(e.fmt in cpu_packed.FORMATS and e.data.is_contiguous() for e in experts))
+                    and _kernel_experts(gate_up) and _kernel_experts(down)
+                    and tuple(gate_up.shape) == (m.num_experts, 2 * m.expert_dim, spec.hidden_size)
+                    and tuple(down.shape) == (m.num_experts, spec.hidden_size, m.expert_dim))
 
         return all(takes(i, w) for i, w in layers.items())
 

@@ -113,20 +113,11 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
         bias = bias.float().contiguous()
     rows = x.shape[0]
     y = torch.empty(rows, n)
-    fmt, data, row_bytes = _records(w)
-    if rows and _load().cpu_packed_linear(fmt, x.data_ptr(), rows, k, data, n, row_bytes,
-                                          None if bias is None else bias.data_ptr(), y.data_ptr(),
+    if rows and _load().cpu_packed_linear(_INDEX[w.fmt], x.data_ptr(), rows, k, w.data.data_ptr(), n,
+                                          w.data.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(),
                                           torch.get_num_threads()):
         raise MemoryError("cpu_packed.linear: no memory for its buffers")
     return y if lead is None else y.reshape(*lead, n)
-
-
-def _records(w: PackedWeight) -> tuple[int, int, int]:
-    """(format index, address, bytes a row) of w's records: read once a weight (a decode step asks ~120 times)."""
-    got = w.__dict__.get("_records")
-    if got is None or got[1] != w.data.data_ptr():
-        got = w.__dict__["_records"] = (_INDEX[w.fmt], w.data.data_ptr(), w.data.shape[1])
-    return got
 
 
 # products of up to this many rows run on the kernel; more rows (a prompt window's) write the weight out in float32
@@ -140,7 +131,7 @@ def project(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) 
     """F.linear(x, w, bias) over a packed weight `serves` takes ([..., N, K] experts too, one 2-D entry at a time
     by the caller), for x [..., K] of any float dtype, the result in x's dtype: `linear` for up to KERNEL_ROWS rows,
     else the weight written out (`dequantize`) and a GEMM."""
-    rows = x.shape[0] if x.dim() == 2 else x.numel() // max(1, x.shape[-1])
+    rows = x.numel() // max(1, x.shape[-1])
     xf = x if x.dtype == torch.float32 else x.float()
     if rows <= KERNEL_ROWS:
         y = linear(xf, w, bias)
@@ -161,4 +152,3 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
                                      torch.get_num_threads()):
         raise MemoryError("cpu_packed.dequantize: no memory for its buffers")
     return out
-

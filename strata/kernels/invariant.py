@@ -86,9 +86,10 @@ def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwa
     return a tensor or a tuple of tensors with one row per input row. Over weights packed for the CPU's own kernel,
     which sums each row alone whatever the rows beside it, in parts of at most its KERNEL_ROWS rows, unpadded."""
     rows = x.shape[0]
-    if rows <= KERNEL_ROWS and _summed_alone(args):  # (a decode window's rows on the CPU's kernel: one call)
+    summed = _summed_alone(args)
+    if summed and rows <= KERNEL_ROWS:  # (a decode window's rows on the CPU's kernel: one call)
         return fn(x, *args, **kwargs)
-    if _summed_alone(args):  # the CPU's own packed kernel sums every row alone at any count: no padding, and
+    if summed:  # the CPU's own packed kernel sums every row alone at any count: no padding, and
         # parts of rows it takes whole (more rows would be written out and multiplied otherwise)
         block = KERNEL_ROWS
     else:

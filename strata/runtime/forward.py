@@ -59,6 +59,9 @@ class Forward:
         # same steps without Python between them
         self.host_stage = (cpu_decode.Stage(spec, weights.layers, self.scale)
                            if self.host_decode and cpu_decode.Stage.of(spec, weights.layers) else None)
+        # the attention layers whose decode rows `cpu_decode.attention` runs (it takes head dims in 8s)
+        self.host_attention = [i for i in weights.layers if spec.layers[i].mixer == "attention"] if (
+            self.host_decode and spec.attention.head_dim % 8 == 0) else []
         self.gated_norm = gated_rms_norm  # the GDN output's norm x silu(z); row-invariant in both forms
         self.gdn_gates = gdn_gates  # a GDN block's decay and beta from its projections
         self.rotate = None  # Triton rotary (positions in, cos/sin made in-kernel); None: the torch reference
@@ -108,8 +111,8 @@ class Forward:
                                          scale=self.rope_scale)
         rows = _rows_for(window)
         cells = None  # with the CPU's decode kernels: each row's K/V cells, layer by layer (`cpu_decode.cell_table`)
-        layers = [i for i in self.weights.layers if self.spec.layers[i].mixer == "attention"]
-        if self.host_decode and rows is not plain and cos_sin is not None and layers:
+        layers = self.host_attention
+        if self.host_decode and layers and rows is not plain and cos_sin is not None:
             cells = cpu_decode.cell_table(window, layers, self.spec.attention.num_kv_heads * self.spec.attention.head_dim)
             if cells is not None and self.host_stage is not None:
                 return self.host_stage.run(x, *cos_sin, cells, positions)
@@ -255,7 +258,7 @@ class Forward:
         a = self.spec.attention
         r = x.shape[0]
         qkv = rows(project, x, w["qkv"], w.get("qkv_bias"))
-        if cells is not None and a.head_dim % 8 == 0:  # one C call: norms, rotary, append, attend
+        if cells is not None:  # one C call: norms, rotary, append, attend
             norms = [w[n].float() if a.qk_norm else None for n in ("q_norm", "k_norm")]
             out = cpu_decode.attention(qkv, a.num_heads, a.num_kv_heads, a.head_dim, a.output_gate, *cos_sin, *norms,
                                        self.spec.rms_eps, cells, positions, self.scale)
