@@ -6,8 +6,6 @@ the shapes, and give each row the same bits whatever other rows share the call."
 
 from __future__ import annotations
 
-import os
-
 import functools
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -21,7 +19,7 @@ from strata.kernels import cpu_decode
 from strata.kernels.deferred import PairSum, SplitSum, add_shared, load_rows, pair_args, source, sum_pairs, tl_dtype
 from strata.kernels.elementwise import sigmoid_gate_add, silu_mul, silu_mul_triton
 from strata.kernels.invariant import plain
-from strata.kernels.packed import (PACKED_FMA, SCALED_AFTER, grid_words, packed_mm, packed_mm2, packed_tile, plain_weight, project,
+from strata.kernels.packed import (SCALED_AFTER, grid_words, packed_mm, packed_mm2, packed_tile, plain_weight, project,
                                    scaled_after)
 from strata.kernels.pdl import pdl, wait_for_prior
 from strata.quant.packed import PackedWeight
@@ -321,7 +319,7 @@ def _gate_up_tile(i_b, i_n, i_e, p_x, p_w, p_sw, p_grid, p_h, p_pair, P, E, H, I
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         p_xr = p_x + b_row.to(tl.int64) * s_xr
         p_g = p_e + o_n.to(tl.int64) * s_wn
-        b_gate, b_up = packed_mm2(p_xr, m_m, p_g, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N, PACKED_FMA)
+        b_gate, b_up = packed_mm2(p_xr, m_m, p_g, p_g + I * s_wn, m_n, 0, H, H, FMT, BLOCK_M, BLOCK_N)
     elif FMT > 0:
         p_e = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED)
         r_n = o_n.to(tl.int64)
@@ -398,7 +396,7 @@ def _down_tile(i_b, i_n, i_e, p_h, p_w, p_sw, p_grid, p_route, p_y, p_pair, P, E
     elif scaled_after(FMT, BLOCK_M, SCALED_AFTER):
         b_y = packed_mm(p_h + b_pair.to(tl.int64) * I, m_m,
                         _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n.to(tl.int64) * s_wn, m_n, 0, I, I, FMT,
-                        BLOCK_M, BLOCK_N, H_CG, PACKED_FMA)
+                        BLOCK_M, BLOCK_N, H_CG)
     else:
         p_down = _expert_weights(p_w, p_sw, i_e, s_we, E, SHARED) + o_n[None, :] * s_wn  # [1, BN]
         for k0 in range(0, I, BLOCK_K):
@@ -764,9 +762,6 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     max_blocks = expert_of_block.shape[0]
 
     down_persistent = tiles.persistent if tiles.down_persistent is None else tiles.down_persistent
-    if os.environ.get("STRATA_FMA_TILES") and fmt in (3, 4, 5) and bm <= 16:
-        n_gu, n_d = map(int, os.environ["STRATA_FMA_TILES"].split(","))
-        tiles = replace(tiles, block_n=n_gu, down_n=n_d)
     t = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
              num_stages=tiles.num_stages, SHARED=shared is not None, FMT=fmt)
 

@@ -339,180 +339,9 @@ def _packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT: tl.constexpr, B
     return acc, acc2
 
 
-# `packed_fma`'s switch (A/B runs: STRATA_PACKED_FMA=0 takes the K-quants' decode products to the tensor cores,
-# `_packed_mm2`); named by the kernels that branch on it, so that Triton's cache keeps the two variants apart
-PACKED_FMA = tl.constexpr(os.environ.get("STRATA_PACKED_FMA", "") == "1")
-FMA_ROWS = tl.constexpr(int(os.environ.get("STRATA_FMA_ROWS", "2")))  # rows of x a pass of `packed_fma` takes (1 or 2)
-FMA_WORDS_A_THREAD = tl.constexpr(int(os.environ.get("STRATA_FMA_WORDS", "4")))  # code words (32 columns) each thread holds of a step's tile: one 16-byte load
-
-
-@triton.jit
-def _fma_words(p_wr, m_n, k, k_hi, K, FMT: tl.constexpr, NW: tl.constexpr):
-    """int32 [BN, NW] x 4: the code words (W), high bits (F: q5_k, q6_k), and the words holding the scale fields
-    (`_group_scales`' b_1, b_2) of each row's NW code words from column k on (8 columns a word; words at or past
-    k_hi, and masked rows, load as 0: scale 0, they add nothing)."""
-    o_w = k // 8 + tl.arange(0, NW)  # [NW] the words' indices in a row
-    col = o_w * 8
-    m = m_n[:, None] & (col < k_hi)[None, :]
-    p_32 = p_wr.to(tl.pointer_type(tl.int32))[:, None]
-    b_w = tl.load(p_32 + o_w[None, :], mask=m, other=0)
-    if FMT == 4:  # fifth bits: a byte per code word
-        b_f = tl.load(p_wr[:, None] + (K // 2 + K // 64 + K // 16) + o_w[None, :], mask=m, other=0).to(tl.int32)
-    elif FMT == 5:  # top two bits: 16 bits per code word
-        b_f = tl.load(p_wr.to(tl.pointer_type(tl.int16))[:, None] + K // 4 + o_w[None, :], mask=m,
-                      other=0).to(tl.int32) & 0xFFFF
-    else:
-        b_f = b_w
-    if FMT == 5:
-        b_1 = tl.load(p_32 + ((K // 2 + K // 4) // 4 + col // 512)[None, :], mask=m, other=0)
-        b_2 = tl.load(p_32 + (_q6k_scale_byte(col, K) // 4)[None, :], mask=m, other=0)
-    else:
-        b_1 = tl.load(p_32 + (K // 8 + col // 256)[None, :], mask=m, other=0)
-        b_2 = tl.load(p_32 + (K // 8 + K // 256 + col // 64)[None, :], mask=m, other=0)
-    return b_w, b_f, b_1, b_2
-
-
-@triton.jit
-def _fma_field(b_w, b_f, s, t, i: tl.constexpr, FMT: tl.constexpr):
-    """float32 [BN, NW]: the weight in field i of each code word (`strata.quant.packed`'s word order)."""
-    code = (b_w >> (4 * i)) & 15
-    if FMT == 4:
-        code = code | (((b_f >> i) & 1) << 4)
-    if FMT == 5:
-        code = code | (((b_f >> (2 * i)) & 3) << 4)
-    return s * _exact_float(code, 0) - t
-
-
-@triton.jit
-def _fma_weights(words, k, K, FMT: tl.constexpr, NW: tl.constexpr):
-    """float32 [BN, NW, 8]: the weights of `_fma_words`' tile, columns k + 8 * w + c, dequantized in the registers
-    that loaded their word: the eight fields joined (a join's new dimension stays in its thread) in the order that
-    puts field bitrev3(c), column c, at place c."""
-    b_w, b_f, b_1, b_2 = words
-    s, t = _scale_terms(b_1, b_2, (k + tl.arange(0, NW) * 8)[None, :], K, FMT, 0.0)  # [BN, NW]: w = s * code - t
-    w0 = _fma_field(b_w, b_f, s, t, 0, FMT)
-    w1 = _fma_field(b_w, b_f, s, t, 1, FMT)
-    w2 = _fma_field(b_w, b_f, s, t, 2, FMT)
-    w3 = _fma_field(b_w, b_f, s, t, 3, FMT)
-    w4 = _fma_field(b_w, b_f, s, t, 4, FMT)
-    w5 = _fma_field(b_w, b_f, s, t, 5, FMT)
-    w6 = _fma_field(b_w, b_f, s, t, 6, FMT)
-    w7 = _fma_field(b_w, b_f, s, t, 7, FMT)
-    w = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-    return tl.reshape(w, [w.shape[0], w.shape[1], 8])
-
-
-@triton.jit
-def _fma_row(a_x, m_x, j, r: tl.constexpr, NSB: tl.constexpr, SB: tl.constexpr, DT_X: tl.constexpr):
-    """Row r of pass j: its x pointer and whether it is held (a_x, m_x: [NSB, SB] addresses and masks)."""
-    sel = (tl.arange(0, NSB)[:, None] == j) & (tl.arange(0, SB)[None, :] == r)
-    p = tl.sum(tl.sum(tl.where(sel, a_x, 0), axis=1), axis=0).to(tl.pointer_type(DT_X), bitcast=True)
-    return p, tl.sum(tl.sum(tl.where(sel, m_x, 0), axis=1), axis=0) > 0
-
-
-@triton.jit
-def _fma_x(p, m, o, X_CG: tl.constexpr):
-    """float32 x at p + o (masked by m; X_CG: read from L2, as `packed_mm`'s X_CG)."""
-    if X_CG:
-        return tl.load(p + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return tl.load(p + o, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _fma_add(x, w, w2, a, b, TWO: tl.constexpr):
-    """One row's step: a += x . w and (TWO) b += x . w2 over each word's 8 columns, in each thread."""
-    a += tl.sum(x[None, :, :] * w, axis=2)
-    if TWO:
-        b += tl.sum(x[None, :, :] * w2, axis=2)
-    return a, b
-
-
-@triton.jit
-def _fma_place(out, j, a0, a1, a2, a3, NSB: tl.constexpr, SB: tl.constexpr):
-    """out [NSB, SB, BN] with pass j's rows' sums (a<r>: [BN, NW], summed over the words) put in place."""
-    o_r = tl.arange(0, SB)[None, :, None]
-    sel = (tl.arange(0, NSB) == j)[:, None, None]
-    out = tl.where(sel & (o_r == 0), tl.sum(a0, axis=1)[None, None, :], out)
-    if SB >= 2:
-        out = tl.where(sel & (o_r == 1), tl.sum(a1, axis=1)[None, None, :], out)
-    if SB == 4:
-        out = tl.where(sel & (o_r == 2), tl.sum(a2, axis=1)[None, None, :], out)
-        out = tl.where(sel & (o_r == 3), tl.sum(a3, axis=1)[None, None, :], out)
-    return out
-
-
-@triton.jit
-def packed_fma(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, X_CG: tl.constexpr, TWO: tl.constexpr):
-    """`_packed_mm2`'s sums on the CUDA cores: each step's tile of the weight (rows at p_wr, and p_wr2 if TWO) is
-    dequantized in registers to float32 once and multiplied by the x rows FMA_ROWS at a time, each thread
-    summing its own columns; the rows' sums across threads are taken once, after the K loop.
-
-    Why not the tensor cores: a decode tile has 1-16 rows, and `packed_mm` pays for a 16-row product, a second one
-    for the rows' sums, and the codes' round trip through shared memory into the dot's operand layout (most of
-    its stalls, docs/PERFORMANCE.md); here a one-row window does one multiply-add a weight after unpacking it, and
-    only the passes that hold a row run (a row's bits do not depend on which pass or position it has: each pass
-    runs the same code over its rows, each row's sums in one order)."""
-    DT_X: tl.constexpr = p_xr.dtype.element_ty
-    SB: tl.constexpr = FMA_ROWS
-    NSB: tl.constexpr = BLOCK_M // SB
-    NW: tl.constexpr = FMA_WORDS_A_THREAD * 128 // BLOCK_N  # code words a row a step (num_warps 4)
-    KS: tl.constexpr = NW * 8
-    tl.static_assert(SB * NSB == BLOCK_M, "a tile's rows are whole passes")
-    tl.static_assert(SB == 1 or SB == 2 or SB == 4, "a pass takes 1, 2 or 4 rows")
-    o_b = tl.arange(0, BLOCK_M)
-    n_pass = (tl.max(tl.where(m_m, o_b, -1), axis=0) + SB) // SB  # the passes up to the last row held
-    a_x = tl.reshape(p_xr.to(tl.int64, bitcast=True), [NSB, SB])  # the rows' addresses, a pass a row
-    m_x = tl.reshape(m_m.to(tl.int32), [NSB, SB])
-    o_c = tl.arange(0, NW)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NW, 8] a step's columns
-    out = tl.zeros([NSB, SB, BLOCK_N], dtype=tl.float32)
-    out2 = tl.zeros([NSB, SB, BLOCK_N], dtype=tl.float32)
-    for j in range(0, n_pass):
-        p_0, m_0 = _fma_row(a_x, m_x, j, 0, NSB, SB, DT_X)
-        p_1, m_1 = p_0, m_0
-        p_2, m_2 = p_0, m_0
-        p_3, m_3 = p_0, m_0
-        if SB >= 2:
-            p_1, m_1 = _fma_row(a_x, m_x, j, 1, NSB, SB, DT_X)
-        if SB == 4:
-            p_2, m_2 = _fma_row(a_x, m_x, j, 2, NSB, SB, DT_X)
-            p_3, m_3 = _fma_row(a_x, m_x, j, 3, NSB, SB, DT_X)
-        a0 = tl.zeros([BLOCK_N, NW], dtype=tl.float32)  # row r of the pass: a<r> (first weight), b<r> (second)
-        a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
-        # a step's words are loaded one step ahead: Triton's pipeline prefetches only loads that feed tl.dot
-        nxt = _fma_words(p_wr, m_n, k_lo, k_hi, K, FMT, NW)
-        nxt2 = nxt
-        if TWO:
-            nxt2 = _fma_words(p_wr2, m_n, k_lo, k_hi, K, FMT, NW)
-        for k in range(k_lo, k_hi, KS):
-            cur, cur2 = nxt, nxt2
-            nxt = _fma_words(p_wr, m_n, k + KS, k_hi, K, FMT, NW)
-            if TWO:
-                nxt2 = _fma_words(p_wr2, m_n, k + KS, k_hi, K, FMT, NW)
-            m_k = k + o_c < k_hi
-            w = _fma_weights(cur, k, K, FMT, NW)
-            w2 = w
-            if TWO:
-                w2 = _fma_weights(cur2, k, K, FMT, NW)
-            x = _fma_x(p_0, m_0 & m_k, k + o_c, X_CG)
-            a0, b0 = _fma_add(x, w, w2, a0, b0, TWO)
-            if SB >= 2:
-                x = _fma_x(p_1, m_1 & m_k, k + o_c, X_CG)
-                a1, b1 = _fma_add(x, w, w2, a1, b1, TWO)
-            if SB == 4:
-                x = _fma_x(p_2, m_2 & m_k, k + o_c, X_CG)
-                a2, b2 = _fma_add(x, w, w2, a2, b2, TWO)
-                x = _fma_x(p_3, m_3 & m_k, k + o_c, X_CG)
-                a3, b3 = _fma_add(x, w, w2, a3, b3, TWO)
-        out = _fma_place(out, j, a0, a1, a2, a3, NSB, SB)
-        if TWO:
-            out2 = _fma_place(out2, j, b0, b1, b2, b3, NSB, SB)
-    return tl.reshape(out, [BLOCK_M, BLOCK_N]), tl.reshape(out2, [BLOCK_M, BLOCK_N])
-
-
 @triton.jit
 def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              X_CG: tl.constexpr = False, FMA: tl.constexpr = False):
+              X_CG: tl.constexpr = False):
     """float32 [BLOCK_M, BLOCK_N]: sum over columns [k_lo, k_hi) of x[m, k] * w[n, k], for the x rows at p_xr ([BM]
     pointers to each row's first element, masked by m_m) and the packed weight rows whose records start at p_wr
     ([BN] uint8 pointers, masked by m_n) of a q4_k, q5_k or q6_k weight of K columns. k_lo, k_hi: multiples of
@@ -530,18 +359,14 @@ def packed_mm(p_xr, m_m, p_wr, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: t
     32-bit words (`_group_scales`): loaded as the bytes and halves they are, they were repacked into the loop's
     registers at the end of each step, which then waited a trip to memory for them (the sm_90 code showed it),
     and a q4_k expert layer at one row took ~100 us (now ~80; docs/perf-log.md, twenty-ninth session)."""
-    if FMA:
-        return packed_fma(p_xr, m_m, p_wr, p_wr, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, X_CG, False)[0]
     return _packed_mm2(p_xr, m_m, p_wr, p_wr, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, X_CG, False)[0]
 
 
 @triton.jit
 def packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, FMA: tl.constexpr = False):
+               BLOCK_N: tl.constexpr):
     """`packed_mm` over two weights of one format and shape (the experts' gate and up rows) that share x: one loop,
     each step's x loaded once; returns the two [BLOCK_M, BLOCK_N] sums."""
-    if FMA:
-        return packed_fma(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, False, True)
     return _packed_mm2(p_xr, m_m, p_wr, p_wr2, m_n, k_lo, k_hi, K, FMT, BLOCK_M, BLOCK_N, False, True)
 
 
