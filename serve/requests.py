@@ -220,6 +220,21 @@ def check_prompt(ids: list[int], limits: Limits) -> None:
                        param="messages", code="context_length_exceeded")
 
 
+def logit_bias(field: dict[str, float] | None, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as JSON object keys, biases in [-100, 100]) as the engine takes it: (id,
+    bias) pairs, ids ascending. A key that is not a token id of this vocabulary is refused by name."""
+    pairs = {}
+    for key, bias in (field or {}).items():
+        token = key.strip()
+        if not (token.isascii() and token.isdigit()) or int(token) >= limits.vocab_size:
+            raise APIError(400, f"logit_bias: key {key[:40]!r} is not a token id of this model's vocabulary "
+                                f"(0..{limits.vocab_size - 1}); /tokenize gives a text's ids", param="logit_bias")
+        if int(token) in pairs:
+            raise APIError(400, f"logit_bias: token id {int(token)} is given twice", param="logit_bias")
+        pairs[int(token)] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
                     grammar: Constraint | None = None) -> list[EngineRequest]:
     """One engine request per sample (`n`), sample i seeded `sample_seed(seed, i)`, each constrained by
@@ -234,6 +249,7 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                             "completion). Reduce the prompt or max_tokens.", param="max_tokens",
                        code="context_length_exceeded")
+    bias = logit_bias(body.logit_bias, limits)
     seed = body.seed if body.seed is not None else secrets.randbits(62)
     out = []
     for index in range(body.n):
@@ -246,6 +262,7 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
             repetition_penalty=body.repetition_penalty or 1.0,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=bias,
         )
         try:
             params.validate()

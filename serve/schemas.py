@@ -83,6 +83,7 @@ class SamplingFields(Strict):
     presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Finite, Field(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-100.0, le=100.0)]] | None = None  # token id (a string) -> bias
     ignore_eos: StrictBool = False
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False

@@ -96,7 +96,7 @@ def _request(words: list[str]) -> Request:
                 raise ProtocolError(f"key {bad!r} after the token ids; keys come first") from None
             break
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar", "logit_bias"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -107,17 +107,35 @@ def _request(words: list[str]) -> Request:
                 stop_ids |= {int(v) for v in value.split(",") if v}
             elif key == "grammar":
                 grammar = decode_constraint(value)
+            elif key == "logit_bias":
+                sampling[key] = _logit_bias(value)
             elif key == "logprobs":
                 logprobs = int(value)
                 if not 0 <= logprobs <= MAX_LOGPROBS:
                     raise ProtocolError(f"logprobs={logprobs}: top log-probabilities are 0 to {MAX_LOGPROBS}")
             else:
                 ignore_eos = value not in ("0", "false", "")
+        except ProtocolError:
+            raise
         except ValueError:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
         raise ProtocolError("ADD has no prompt token ids")
     return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs, grammar)
+
+
+def _logit_bias(value: str) -> tuple[tuple[int, float], ...]:
+    """`logit_bias=` token:bias pairs, comma-separated, as SamplingParams keeps them (ids ascending, each once)."""
+    pairs: dict[int, float] = {}
+    for item in value.split(","):
+        token, sep, bias = item.partition(":")
+        if not sep:
+            raise ProtocolError(f"logit_bias={value[:80]!r}: write token:bias pairs, comma-separated")
+        t = _int(token, "logit_bias token id")
+        if t in pairs:
+            raise ProtocolError(f"logit_bias: token id {t} is given twice")
+        pairs[t] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def encode_constraint(constraint: Constraint) -> str:
@@ -169,7 +187,9 @@ def format_request(request: Request) -> str:
     """The keys and ids of an ADD line after its id (the inverse of parsing), for clients."""
     defaults = SamplingParams()
     keys = [f"{f.name}={getattr(request.params, f.name)}" for f in fields(SamplingParams)
-            if getattr(request.params, f.name) != getattr(defaults, f.name)]
+            if f.name != "logit_bias" and getattr(request.params, f.name) != getattr(defaults, f.name)]
+    if request.params.logit_bias:
+        keys.append("logit_bias=" + ",".join(f"{t}:{b!r}" for t, b in request.params.logit_bias))
     if request.stop_ids:
         keys.append("stop=" + ",".join(str(i) for i in sorted(request.stop_ids)))
     if request.ignore_eos:

@@ -143,8 +143,27 @@ def test_request_id_is_echoed_and_usage_can_come_with_every_chunk(server):
     assert plain.headers["x-request-id"] == "trace-43" and plain.json()["usage"]["completion_tokens"] == 5
 
 
+def test_logit_bias_bans_and_forces_tokens(client, server, tokenizer, hf_default_model):
+    """A -100 bias on the greedy first token gives transformers' second choice there; +100 on a token, sampled, gives
+    it every time; a key that is not a token id is refused by name."""
+    ids = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    first, second = reference_steps(hf_default_model, ids, 1)[0].topk(2).indices.tolist()
+    banned = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True,
+                                            logit_bias={str(first): -100})
+    assert banned.choices[0].logprobs.content[0].token == tokenizer.token_bytes(second).decode()
+    comma = tokenizer.encode(",")[-1]
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=1.0, seed=5,
+                                       logit_bias={str(comma): 100})
+    assert forced.choices[0].text == "," * 4
+    for bad, words in [({"blue": 1}, "logit_bias: key 'blue' is not a token id"), ({"5": 101}, "logit_bias.5"),
+                       ({str(10**9): 1}, "is not a token id")]:
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "logit_bias": bad})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("extra, words", [
-    ({"logit_bias": {"5": 1}}, "logit_bias: Strata does not support this field"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction: Strata does not support this field"),
     ({"top_logprobs": 2}, "set logprobs to true"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),

@@ -6,6 +6,7 @@ import torch
 from strata.errors import StrataError
 from strata.runtime.sampling import (
     SamplingParams,
+    apply_logit_bias,
     apply_penalties,
     philox4x32,
     philox_uniform,
@@ -244,6 +245,35 @@ def test_penalties_steer_greedy_choice():
     counts = torch.tensor([[3, 0, 0]], dtype=torch.int32)
     rows = [SamplingParams(frequency_penalty=1.0)]
     assert sample(logits, rows, torch.tensor([0]), generated_counts=counts).item() == 1
+
+
+def test_logit_bias_moves_only_its_rows_tokens_and_comes_before_penalties():
+    logits = torch.tensor([[5.0, 4.0, 1.0, -2.0], [5.0, 4.0, 1.0, -2.0], [0.5, 0.25, 3.0, 1.0]])
+    rows = [SamplingParams(logit_bias=((0, -100.0),)), SamplingParams(),
+            SamplingParams(logit_bias=((1, 2.5), (3, 100.0)))]
+    out = apply_logit_bias(logits, rows)
+    assert out.tolist() == [[-95.0, 4.0, 1.0, -2.0], [5.0, 4.0, 1.0, -2.0], [0.5, 2.75, 3.0, 101.0]]
+    assert torch.equal(out[1].view(torch.int32), logits[1].view(torch.int32)) and logits[0, 0] == 5.0  # no change in place
+    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits
+    # greedy: the banned argmax gives way to the next; a +100 forces a token; a row's token is the same alone
+    assert sample(logits, rows, torch.tensor([0, 0, 0])).tolist() == [1, 0, 3]
+    assert sample(logits[2:], rows[2:], torch.tensor([0])).tolist() == [3]
+    # sampled rows draw among the biased logits: a +100 token all but always, whatever the seed
+    hot = [SamplingParams(temperature=1.0, seed=s, logit_bias=((2, 100.0),)) for s in range(16)]
+    assert sample(logits[:1].expand(16, 4), hot, torch.arange(16)).tolist() == [2] * 16
+    # the bias first, then the penalties: a repetition penalty divides the biased (positive) logit
+    both = [SamplingParams(logit_bias=((2, 9.0),), repetition_penalty=2.0)]
+    assert apply_penalties(apply_logit_bias(logits[:1], both), both, torch.tensor([[False, False, True, False]])
+                           ).tolist() == [[5.0, 4.0, 5.0, -2.0]]
+    assert sample(logits[:1], both, torch.tensor([0]), torch.tensor([[False, False, True, False]])).item() == 0
+
+
+@pytest.mark.parametrize("bias, words", [(((3, 1.0), (1, 1.0)), "ascending"), (((1, 1.0), (1, 2.0)), "each once"),
+                                         (((-1, 1.0),), ">= 0"), (((1, 100.5),), "bias 100.5"),
+                                         (((1, float("nan")),), "bias nan")])
+def test_logit_bias_validation_names_what_is_wrong(bias, words):
+    with pytest.raises(StrataError, match=words):
+        SamplingParams(logit_bias=bias).validate()
 
 
 def test_token_counts_from_padded_ids():

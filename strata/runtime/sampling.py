@@ -6,6 +6,9 @@ number comes from a counter-based generator keyed by (seed, position) instead of
 So a conversation samples the same tokens alone or batched, and a replay from the same position
 gives the same token. Nothing here reads a tensor back to the host.
 
+`logit_bias` adds each row's own (token, bias) pairs to its logits before anything else (OpenAI's field: -100 bans
+a token in practice, +100 all but forces it); one scatter for the window's pairs, rows without any untouched.
+
 Penalties take two dense per-row tensors that the caller keeps beside its sequences (a decode step
 adds one count with a scatter; `token_counts` builds them from id lists):
   seen_prompt       bool [R, V]  the token occurs in the prompt (repetition penalty only)
@@ -37,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # on prompt + output tokens: divide a positive logit, multiply a negative
     presence_penalty: float = 0.0  # on output tokens: logit -= presence * (count > 0)
     frequency_penalty: float = 0.0  # on output tokens: logit -= frequency * count
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logit first; ids ascending, once
 
     def validate(self) -> None:
         """Raise StrataError naming the first bad field. Call once, when a request is admitted."""
@@ -56,6 +60,12 @@ class SamplingParams:
             # `ok` is False for NaN, since every comparison with NaN is.
             if not ok:
                 raise StrataError(f"sampling setting {name}={value!r} is invalid: it {rule}")
+        ids = [t for t, _ in self.logit_bias]
+        if any(not isinstance(t, int) or t < 0 for t in ids) or ids != sorted(set(ids)):
+            raise StrataError(f"sampling setting logit_bias: token ids {ids[:8]} must be ints >= 0, each once, ascending")
+        bad = next((b for _, b in self.logit_bias if not -100 <= b <= 100), None)
+        if bad is not None:
+            raise StrataError(f"sampling setting logit_bias: bias {bad!r} is invalid: it must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
@@ -107,6 +117,17 @@ def token_counts(ids: Tensor, vocab_size: int) -> Tensor:
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
     return counts[:, :vocab_size]
+
+
+def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """logits [R, V] with each row's `logit_bias` pairs added (in the logits' dtype, one scatter for the window; a
+    copy, since the input may be the forward's); the input itself when no row has any. Other rows keep their bits."""
+    pairs = [(j, t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
+    if not pairs:
+        return logits
+    rows = row_tensor([[j, t] for j, t, _ in pairs], torch.int64, logits.device)
+    bias = row_tensor([b for _, _, b in pairs], logits.dtype, logits.device)
+    return logits.index_put((rows[:, 0], rows[:, 1]), bias, accumulate=True)
 
 
 def apply_penalties(
@@ -168,6 +189,7 @@ def sample(
 ) -> Tensor:
     """logits [R, V] float; params one per row (already validated); positions int64 [R] (or the ints, made a
     tensor only when some row samples), the position the sampled token will take. Penalty inputs as in `apply_penalties`.
+    Each row's `logit_bias` is added first, then the penalties.
 
     Returns token ids int64 [R]. Greedy rows: argmax. Sampled rows: each token weighs exp((logit - the row's
     largest) / temperature) in float32 (the softmax unnormalised: every rule below is a ratio), keep the top_k,
@@ -176,7 +198,7 @@ def sample(
     position). Ties in the sort go to the lowest id."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"sample: {len(params)} params for {logits.shape[0]} rows")
-    logits = apply_penalties(logits, params, seen_prompt, generated_counts)
+    logits = apply_penalties(apply_logit_bias(logits, params), params, seen_prompt, generated_counts)
     if all(p.is_greedy for p in params):
         return logits.argmax(dim=-1)
 

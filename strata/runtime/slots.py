@@ -237,6 +237,9 @@ class Slots:
             raise StrataError(f"slot {index} still has a row in a window in flight: read it (step, flush) before "
                               "admitting a conversation there")
         self.check_request(prompt_ids, max_new, params)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.engine.spec.vocab_size:
+            raise StrataError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                              f"(0..{self.engine.spec.vocab_size - 1})")
         if logprobs is not None and not 0 <= logprobs <= self.engine.spec.vocab_size:
             raise StrataError(f"logprobs={logprobs}: top log-probabilities must be 0 to the vocabulary's size")
         matcher = GrammarMatcher(self.engine.grammars.compile(grammar)) if grammar is not None else None
