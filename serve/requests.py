@@ -78,10 +78,14 @@ def tool_plan(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenize
     return ToolPlan(fmt, schemas, parallel, forced=body.tool_choice_value() != "auto")
 
 
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})  # ours to set
+
+
 def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer,
                 add_generation_prompt: bool = True) -> list[int]:
     """The messages, and the tools offered, through the model's chat template (`serve.tools.template_messages`:
-    the template's own `tools` where it reads them, else Strata's Hermes prompt in the system message)."""
+    the template's own `tools` where it reads them, else Strata's Hermes prompt in the system message), with the
+    request's `chat_template_kwargs` as more of the template's variables (Qwen3's `enable_thinking`)."""
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: set logprobs to true to get top log-probabilities", param="top_logprobs")
     for i, m in enumerate(body.messages):
@@ -96,6 +100,13 @@ def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeni
     messages, extra = template_messages([m.as_openai() for m in body.messages], tools or None,
                                         tokenizer.chat_template,
                                         choice if isinstance(choice, str) else choice.model_dump())
+    kwargs = body.chat_template_kwargs or {}
+    taken = sorted(set(kwargs) & (TEMPLATE_VARIABLES | set(extra)))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is a variable Strata gives the template itself "
+                            f"({', '.join(sorted(TEMPLATE_VARIABLES | set(extra)))}); use the request's own field",
+                       param="chat_template_kwargs")
+    extra = {**kwargs, **extra}
     try:
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
     except StrataError as e:

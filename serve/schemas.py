@@ -177,6 +177,7 @@ class ChatFields(Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without (OpenAI's)
     parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, object] | None = None  # vLLM's: more variables for the chat template
 
     def tool_choice_value(self) -> str | NamedToolChoice:
         return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
@@ -207,6 +208,7 @@ class TokenizeRequest(Strict):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # "none" leaves the tools out of the prompt, as in a chat request
+    chat_template_kwargs: dict[str, object] | None = None  # as in a chat request
 
     def tool_choice_value(self) -> str | NamedToolChoice:
         return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")

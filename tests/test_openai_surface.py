@@ -162,6 +162,20 @@ def test_logit_bias_bans_and_forces_tokens(client, server, tokenizer, hf_default
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def test_chat_template_kwargs_pass_through_http(server, client):
+    """vLLM's `chat_template_kwargs` through /tokenize and a chat request (the default's template reads no such
+    variable: the same prompt; tests/test_tokenizer.py checks one that does against transformers); a variable
+    Strata sets itself is refused by name."""
+    tokenize = lambda **kw: httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, **kw}).json()  # noqa: E731
+    assert tokenize(chat_template_kwargs={"enable_thinking": False})["tokens"] == tokenize()["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.completion_tokens == 2
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1,
+                                                               "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and "chat_template_kwargs: 'messages' is a variable" in bad.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("extra, words", [
     ({"prediction": {"type": "content", "content": "x"}}, "prediction: Strata does not support this field"),
     ({"top_logprobs": 2}, "set logprobs to true"),

@@ -67,3 +67,30 @@ def test_no_tokenizer_and_broken_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+THINKING = (  # Qwen3's switch, as its template writes it: an empty think block when thinking is off
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(folder, reference):
+    """A chat request's `chat_template_kwargs` (vLLM's field) are more variables of the template: the prompt is the
+    one transformers renders with the same keywords; a variable Strata sets itself is refused by name."""
+    from serve.errors import APIError
+    from serve.requests import chat_prompt
+    from serve.schemas import ChatCompletionRequest
+
+    ours = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), chat_template=THINKING)
+    messages = [{"role": "user", "content": "hello world"}]
+    for kwargs in [None, {"enable_thinking": False}, {"enable_thinking": True}]:
+        body = ChatCompletionRequest(messages=messages, chat_template_kwargs=kwargs)
+        want = reference.apply_chat_template(messages, chat_template=THINKING, add_generation_prompt=True,
+                                             tokenize=False, **(kwargs or {}))
+        assert chat_prompt(body, ours) == reference(want, add_special_tokens=False)["input_ids"]
+        assert ("<think>" in want) == (kwargs == {"enable_thinking": False})
+    with pytest.raises(APIError, match="chat_template_kwargs: 'add_generation_prompt' is a variable Strata gives"):
+        chat_prompt(ChatCompletionRequest(messages=messages, chat_template_kwargs={"add_generation_prompt": False}),
+                    ours)
