@@ -260,6 +260,9 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                             "completion). Reduce the prompt or max_tokens.", param="max_tokens",
                        code="context_length_exceeded")
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+                       param="min_tokens")
     bias = logit_bias(body.logit_bias, limits)
     seed = body.seed if body.seed is not None else secrets.randbits(62)
     out = []
@@ -274,6 +277,7 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias,
+            min_tokens=body.min_tokens,
         )
         try:
             params.validate()

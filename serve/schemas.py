@@ -85,6 +85,7 @@ class SamplingFields(Strict):
     repetition_penalty: Annotated[Finite, Field(gt=0.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100.0, le=100.0)]] | None = None  # token id (a string) -> bias
     ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's: no stop before this many tokens
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -11,12 +11,14 @@ class TextStream:
     """Feed token ids one by one; get the text that is safe to show so far.
 
     Text that could be the start of a stop string is held back until it is decided; when a stop string
-    appears, the text ends just before it and `stopped` is set.
+    appears, the text ends just before it and `stopped` is set. Before `min_tokens` tokens (vLLM's field) no
+    stop string is looked for: one that ends within their text does not stop the answer.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""  # everything decided so far (emitted or held back)
         self.emitted = 0  # characters of `text` already handed out
@@ -37,6 +39,9 @@ class TextStream:
         self.text += after[len(before) :]
         self._read = len(self.ids)
         self._start = max(self._start, self._read - _LOOKBACK)
+        if len(self.ids) < self.min_tokens:  # no stop string yet: all of it may be shown
+            out, self.emitted = self.text[self.emitted :], len(self.text)
+            return out
         return self._release(final=False)
 
     def finish(self) -> str:

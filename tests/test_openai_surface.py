@@ -162,6 +162,35 @@ def test_logit_bias_bans_and_forces_tokens(client, server, tokenizer, hf_default
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def test_min_tokens_keeps_the_answer_going_past_its_stops(client, server):
+    """vLLM's `min_tokens`: the greedy answer ends with the end-of-turn token as its 8th; with min_tokens 12
+    it goes on (the stop token is banned until then: the first 7 tokens are the same) and a stop string met before
+    the 12th token does not end it either, streamed or not; min_tokens above max_tokens is refused by name."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0, logprobs=True)
+    n = plain.usage.completion_tokens
+    assert plain.choices[0].finish_reason == "stop" and n < 12, plain
+    longer = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0, logprobs=True,
+                                            extra_body={"min_tokens": 12})
+    assert longer.usage.completion_tokens >= 12
+    said = [t.token for t in plain.choices[0].logprobs.content]  # its last: the end-of-turn token, now banned there
+    assert [t.token for t in longer.choices[0].logprobs.content[:n]][: n - 1] == said[: n - 1] != said
+    text = plain.choices[0].message.content
+    assert longer.choices[0].message.content.startswith(text) and len(longer.choices[0].message.content) > len(text)
+    stop = text[-1]  # the answer's last character, met before the 12th token
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=ask, max_tokens=40, temperature=0, stop=[stop], extra_body={"min_tokens": 12})
+        if stream:
+            got = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                          if c.choices)
+        else:
+            got = client.chat.completions.create(**kw).choices[0].message.content
+        assert got.startswith(text) and len(got) > len(text), (stream, got)
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={"model": MODEL, "messages": ask, "max_tokens": 4, "min_tokens": 5})
+    assert bad.status_code == 400 and "min_tokens (5) is more than max_tokens (4)" in bad.json()["error"]["message"]
+
+
 def test_chat_template_kwargs_pass_through_http(server, client):
     """vLLM's `chat_template_kwargs` through /tokenize and a chat request (the default's template reads no such
     variable: the same prompt; tests/test_tokenizer.py checks one that does against transformers); a variable

@@ -212,8 +212,8 @@ def test_parse_and_format_round_trip():
     assert r.params == SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=11, presence_penalty=0.5)
     assert protocol.parse_command(protocol.add("r-3", r)) == cmd
     assert protocol.parse_command("ABORT r-3") == protocol.Abort("r-3")
-    biased = protocol.parse_command("ADD b 4 logit_bias=28:-100,3:2.5 1 2").request
-    assert biased.params == SamplingParams(logit_bias=((3, 2.5), (28, -100.0)))
+    biased = protocol.parse_command("ADD b 4 logit_bias=28:-100,3:2.5 min_tokens=3 1 2").request
+    assert biased.params == SamplingParams(logit_bias=((3, 2.5), (28, -100.0)), min_tokens=3)
     assert protocol.parse_command(protocol.add("b", biased)).request == biased
     for bad, words in [("ADD x", "needs"), ("ADD x 5", "no prompt"), ("ADD x 5 1 top_k=3", "keys come first"),
                        ("ADD x -1 1", "at least one"), ("QUIT now", "wrong number"), ("ADD x 5 seed=x 1", "not a number"),

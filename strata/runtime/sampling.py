@@ -41,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # on output tokens: logit -= presence * (count > 0)
     frequency_penalty: float = 0.0  # on output tokens: logit -= frequency * count
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logit first; ids ascending, once
+    min_tokens: int = 0  # the answer's stop tokens are not drawn before this many tokens (the slots ban them)
 
     def validate(self) -> None:
         """Raise StrataError naming the first bad field. Call once, when a request is admitted."""
@@ -55,6 +56,8 @@ class SamplingParams:
              "must be finite and > 0 (1 = off)"),
             ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("min_tokens", self.min_tokens, isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+             "must be an int >= 0"),
         )
         for name, value, ok, rule in checks:
             # `ok` is False for NaN, since every comparison with NaN is.

@@ -216,6 +216,8 @@ class Slots:
             raise StrataError(f"max_new {max_new}: a request must generate at least one token")
         self.engine.check_prompt(prompt_ids)
         params.validate()
+        if params.min_tokens > max_new:
+            raise StrataError(f"min_tokens {params.min_tokens} is more than max_new {max_new}: no answer could obey both")
 
     def admit(self, index: int, prompt_ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
               stop_ids: frozenset[int] | None = None, idle: list[SessionState] = (), logprobs: int | None = None,
@@ -822,11 +824,27 @@ class Slots:
                     rows.append(base)
                 j += 1 + len(drafted)
             counts = torch.stack(rows)
-        tokens = sample(logits, params, positions, seen, counts)
+        tokens = sample(self._before_min_tokens(indices, logits, drafts), params, positions, seen, counts)
         for j, (i, s) in enumerate(zip(indices, slots)):
             if s.counts is not None and i not in drafts:
                 s.counts.index_add_(0, tokens[j : j + 1], torch.ones(1, dtype=torch.int32, device=tokens.device))
         return tokens
+
+    def _before_min_tokens(self, indices: list[int], logits: torch.Tensor, drafts: dict[int, list[int]]) -> torch.Tensor:
+        """The logits with each slot's stop tokens at -inf in the rows that draw one of its first `min_tokens`
+        tokens (a drafting slot's row o draws token len(generated) + o + 1); a copy, or the input when no row does."""
+        rows, tokens, j = [], [], 0
+        while j < len(indices):
+            s = self.slots[indices[j]]
+            n = 1 + len(drafts.get(indices[j], []))
+            for o in range(min(n, max(0, s.params.min_tokens - len(s.generated)))):
+                rows += [j + o] * len(s.stop_ids)
+                tokens += sorted(s.stop_ids)
+            j += n
+        if not rows:
+            return logits
+        at = row_tensor([rows, tokens], torch.int64, logits.device)
+        return logits.index_put((at[0], at[1]), logits.new_full((len(rows),), float("-inf")))
 
     def _record(self, indices: list[int], tokens: list[int], lengths: list[int],
                 logprobs: list | None = None) -> list[Event]:
