@@ -81,11 +81,14 @@ def tool_plan(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenize
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})  # ours to set
 
 
-def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer,
-                add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
     """The messages, and the tools offered, through the model's chat template (`serve.tools.template_messages`:
     the template's own `tools` where it reads them, else Strata's Hermes prompt in the system message), with the
-    request's `chat_template_kwargs` as more of the template's variables (Qwen3's `enable_thinking`)."""
+    request's `chat_template_kwargs` as more of the template's variables (Qwen3's `enable_thinking`), and its
+    last message left open with `continue_final_message` (`open_final_message`)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message: the answer continues the last message, so no new turn may open: "
+                            "set add_generation_prompt to false too", param="continue_final_message")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: set logprobs to true to get top log-probabilities", param="top_logprobs")
     for i, m in enumerate(body.messages):
@@ -108,9 +111,30 @@ def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeni
                        param="chat_template_kwargs")
     extra = {**kwargs, **extra}
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     except StrataError as e:
         raise APIError(400, str(e), param="messages") from None
+    if body.continue_final_message:
+        text = open_final_message(text, messages[-1].get("content"))
+    return tokenizer.encode(text, add_special_tokens=False)  # the rendered template carries its own BOS
+
+
+def open_final_message(text: str, content) -> str:
+    """The rendered chat cut just after the last message's text, so that what the template closes it with (an
+    end-of-turn token, a newline) is gone and the answer continues that text (as transformers'
+    `continue_final_message` cuts it). A template that trims the text keeps it trimmed here."""
+    if isinstance(content, list):  # text parts: the last one
+        content = next((p.get("text") for p in reversed(content) if p.get("text") is not None), None)
+    if not content or not content.strip():
+        raise APIError(400, "continue_final_message: the last message has no text to continue",
+                       param="continue_final_message")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise APIError(400, "continue_final_message: the chat template does not write the last message's text as "
+                            "it was sent, so there is nothing to continue", param="continue_final_message")
+    kept = content.lstrip()
+    end = at + len(kept) if text[at : at + len(kept)] == kept else at + len(content.strip())
+    return text[:end]
 
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -214,7 +238,7 @@ def tokenize_ids(body: TokenizeRequest, tokenizer: Tokenizer, family: str | None
             raise APIError(400, "add_special_tokens: chat messages take their special tokens from the chat template",
                            param="add_special_tokens")
         tool_plan(body, tokenizer, family)  # the checks a chat request gets
-        return chat_prompt(body, tokenizer, add_generation_prompt=body.add_generation_prompt)
+        return chat_prompt(body, tokenizer)
     if body.tools is not None or body.tool_choice is not None:
         raise APIError(400, "tools: tools go into a chat prompt; send messages with them", param="tools")
     return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)

@@ -179,6 +179,8 @@ class ChatFields(Strict):
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without (OpenAI's)
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, object] | None = None  # vLLM's: more variables for the chat template
+    add_generation_prompt: StrictBool = True  # vLLM's: the template's opening of the assistant's turn
+    continue_final_message: StrictBool = False  # vLLM's: the last message left open, the answer continues it
 
     def tool_choice_value(self) -> str | NamedToolChoice:
         return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
@@ -210,6 +212,7 @@ class TokenizeRequest(Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # "none" leaves the tools out of the prompt, as in a chat request
     chat_template_kwargs: dict[str, object] | None = None  # as in a chat request
+    continue_final_message: StrictBool = False  # as in a chat request
 
     def tool_choice_value(self) -> str | NamedToolChoice:
         return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")

@@ -191,6 +191,20 @@ def test_min_tokens_keeps_the_answer_going_past_its_stops(client, server):
     assert bad.status_code == 400 and "min_tokens (5) is more than max_tokens (4)" in bad.json()["error"]["message"]
 
 
+def test_continue_final_message_prefills_the_answer(server, client):
+    """vLLM's assistant prefill: the answer continues the last message's text (and is only the continuation), the
+    prompt being the chat without that message's end of turn (/tokenize gives the same ids)."""
+    ask = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content.startswith(" Paris"), r.choices[0].message.content
+    ids = httpx.post(server.url + "/tokenize", json={"messages": ask, **extra}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    closed = httpx.post(server.url + "/tokenize", json={"messages": ask, "add_generation_prompt": False}).json()
+    assert closed["tokens"][: len(ids)] == ids and len(closed["tokens"]) > len(ids)
+
+
 def test_chat_template_kwargs_pass_through_http(server, client):
     """vLLM's `chat_template_kwargs` through /tokenize and a chat request (the default's template reads no such
     variable: the same prompt; tests/test_tokenizer.py checks one that does against transformers); a variable

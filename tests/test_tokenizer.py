@@ -94,3 +94,28 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(fol
     with pytest.raises(APIError, match="chat_template_kwargs: 'add_generation_prompt' is a variable Strata gives"):
         chat_prompt(ChatCompletionRequest(messages=messages, chat_template_kwargs={"add_generation_prompt": False}),
                     ours)
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, THINKING], ids=["trims", "keeps-spaces"])
+def test_continue_final_message_leaves_the_last_message_open_as_transformers_does(folder, reference, template):
+    """vLLM's `continue_final_message` (with add_generation_prompt false): the prompt ends with the last message's
+    text, not its end of turn, as transformers renders it; both on, or nothing to continue, refused by name."""
+    from serve.errors import APIError
+    from serve.requests import chat_prompt
+    from serve.schemas import ChatCompletionRequest
+
+    ours = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), chat_template=template,
+                     bos_token="<s>", eos_token="</s>")
+    for last in ["The quick brown", "The quick brown ", " spaced out\n"]:
+        messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": last}]
+        body = ChatCompletionRequest(messages=messages, add_generation_prompt=False, continue_final_message=True)
+        want = reference.apply_chat_template(messages, chat_template=template, add_generation_prompt=False,
+                                             continue_final_message=True, tokenize=False)
+        assert want.rstrip().endswith(last.strip()) and chat_prompt(body, ours) == reference(
+            want, add_special_tokens=False)["input_ids"], want
+    with pytest.raises(APIError, match="set add_generation_prompt to false too"):
+        chat_prompt(ChatCompletionRequest(messages=messages, continue_final_message=True), ours)
+    empty = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": " "}]
+    with pytest.raises(APIError, match="no text to continue"):
+        chat_prompt(ChatCompletionRequest(messages=empty, add_generation_prompt=False, continue_final_message=True),
+                    ours)
