@@ -161,7 +161,10 @@ class Answer:
         at once, and the answer's finish reason is "tool_calls". With tools, each token's text goes through a
         `ToolCallStream` and the pieces carry its deltas."""
         job, client = self.jobs[index], self.service.client
-        stream = TextStream(self.service.tokenizer, self.body.stop_strings(), self.body.min_tokens)
+        tokenizer, request = self.service.tokenizer, job.request
+        ends = (tokenizer.stop_ids if not request.ignore_eos else frozenset()) | request.stop_ids  # the engine's
+        stream = TextStream(tokenizer, self.body.stop_strings(), self.body.min_tokens,
+                            self.body.include_stop_str_in_output, self.body.skip_special_tokens, ends)
         calls = ToolCallStream(self.tools.fmt, self.tools.names) if self.tools is not None else None
         one_call = self.tools is not None and not self.tools.parallel
         wants_logprobs = job.request.logprobs is not None

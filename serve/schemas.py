@@ -86,6 +86,8 @@ class SamplingFields(Strict):
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100.0, le=100.0)]] | None = None  # token id (a string) -> bias
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's: no stop before this many tokens
+    include_stop_str_in_output: StrictBool = False  # vLLM's: a stop string that ends the answer is kept in it
+    skip_special_tokens: StrictBool = True  # vLLM's: special tokens' text (end of turn, ...) left out of the answer
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

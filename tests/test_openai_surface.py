@@ -205,6 +205,28 @@ def test_continue_final_message_prefills_the_answer(server, client):
     assert closed["tokens"][: len(ids)] == ids and len(closed["tokens"]) > len(ids)
 
 
+def test_stop_text_and_special_tokens_as_vllm_gives_them(client, tokenizer):
+    """An answer ended by a stop token (the end of turn, or `stop_token_ids`) or a stop string holds neither, unless
+    `include_stop_str_in_output`; `skip_special_tokens` false keeps special tokens' text in the answer."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    def chat(max_tokens=20, extra=None, **kw):
+        return client.chat.completions.create(model=MODEL, messages=ask, max_tokens=max_tokens, temperature=0,
+                                              extra_body=extra, **kw).choices[0].message.content
+
+    assert chat() == "The capital of France is Paris."
+    dot = tokenizer.encode(".", add_special_tokens=False)
+    assert chat(extra={"stop_token_ids": dot}) == "The capital of France is Paris"
+    assert chat(extra={"stop_token_ids": dot, "include_stop_str_in_output": True}) == "The capital of France is Paris."
+    assert chat(stop=[" is"]) == "The capital of France"
+    assert chat(stop=[" is"], extra={"include_stop_str_in_output": True}) == "The capital of France is"
+    end = tokenizer.token_bytes(min(tokenizer.stop_ids)).decode()  # <|im_end|>
+    assert chat(extra={"skip_special_tokens": False}) == "The capital of France is Paris."  # (its stop token: not text)
+    assert chat(extra={"skip_special_tokens": False, "include_stop_str_in_output": True}).endswith("Paris." + end)
+    on = chat(max_tokens=12, extra={"ignore_eos": True, "skip_special_tokens": False})
+    off = chat(max_tokens=12, extra={"ignore_eos": True})
+    assert on.startswith("The capital of France is Paris." + end) and end not in off, (on, off)
+
+
 def test_chat_template_kwargs_pass_through_http(server, client):
     """vLLM's `chat_template_kwargs` through /tokenize and a chat request (the default's template reads no such
     variable: the same prompt; tests/test_tokenizer.py checks one that does against transformers); a variable
