@@ -120,11 +120,21 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def version():
         return {"version": strata.__version__}
 
+    def card() -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "strata",
+                "root": str(files.checkpoint.path), "max_model_len": max_cells}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "strata", "root": str(files.checkpoint.path),
-                                            "max_model_len": max_cells}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """One model's card (the OpenAI client's `models.retrieve`); 404 naming the served one for another."""
+        if model != name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{name}`", param="model",
+                           kind="NotFoundError")
+        return card()
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request, format: str | None = None):

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -203,6 +204,9 @@ def test_models_health_version(server):
     assert httpx.get(server.url + "/version").json()["version"]
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").json() == {**models["data"][0], "created": ANY}
+    other = httpx.get(server.url + "/v1/models/gpt-17")
+    assert other.status_code == 404 and "`gpt-17` does not exist" in other.json()["error"]["message"]
 
 
 BAD_INPUT = [  # (body, status, words in the message): malformed requests and values the server refuses
