@@ -57,6 +57,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then a final ("done", reason) / exception
     generated: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token (LP lines)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # PLP lines
     where: str = "sent"  # sent | waiting | running | done
     abandoned: bool = False
     final_reason: str | None = None  # what the metrics record when the server ended the job itself
@@ -188,6 +189,11 @@ class EngineClient:
             if job is not None:
                 top = [(int(words[k]), float(words[k + 1])) for k in range(4, len(words) - 1, 2)]
                 job.logprobs.append((float(words[3]), top))
+        elif kind == "PLP" and len(words) >= 3:
+            job = self.jobs.get(words[1])
+            if job is not None:
+                top = [(int(words[k]), float(words[k + 1])) for k in range(3, len(words) - 1, 2)]
+                job.prompt_logprobs.append((float(words[2]), top))
         elif kind == "WIN":
             self.metrics.window(sum(int(w) for w in words[1:3]))
         elif kind in ("WAIT", "RUN", "END", "ERR") and len(words) >= 2:

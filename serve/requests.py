@@ -307,7 +307,8 @@ def engine_requests(body: SamplingFields, ids: list[int], limits: Limits,
             params.validate()
         except StrataError as e:
             raise APIError(400, str(e)) from None
+        scored = body.logprobs if getattr(body, "echo", False) else None  # a completion's echo with logprobs
         out.append(EngineRequest(max_tokens or limits.max_cells - len(ids), params,
                                  frozenset(body.stop_token_ids or []), body.ignore_eos, ids,
-                                 body.top_logprobs_wanted(), grammar=grammar))
+                                 body.top_logprobs_wanted(), grammar=grammar, prompt_logprobs=scored))
     return out

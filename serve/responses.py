@@ -70,6 +70,19 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[int], entries: list[L
     return out
 
 
+def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scored: list[LogprobEntry], answer: dict | None) -> dict:
+    """A completion's `logprobs` with its echoed prompt's first (OpenAI's shape: the first prompt token has none),
+    the prompt's tokens from character 0, then the answer's (`answer`: `completion_logprobs`' dict, or None)."""
+    out = completion_logprobs(tokenizer, ids[1:], scored, len(_token_fields(tokenizer, ids[0])[0]) if ids else 0)
+    if ids:
+        out = {"tokens": [_token_fields(tokenizer, ids[0])[0], *out["tokens"]],
+               "token_logprobs": [None, *out["token_logprobs"]], "top_logprobs": [None, *out["top_logprobs"]],
+               "text_offset": [0, *out["text_offset"]]}
+    for key in out if answer is not None else ():
+        out[key] += answer[key]
+    return out
+
+
 def chat_choice(piece: Piece, tokenizer: Tokenizer, delta: bool, first: bool = False) -> dict:
     """A chat choice: the whole message (`delta` False) or a stream chunk's delta (the role on the `first`)."""
     logprobs = chat_logprobs(tokenizer, piece.tokens, piece.logprobs) if piece.logprobs is not None else None

@@ -25,7 +25,8 @@ from serve.errors import RETRY_AFTER_S, APIError, invalid_body
 from serve.metrics import Metrics, RequestRecord
 from serve.requests import (Limits, ToolPlan, chat_prompt, completion_prompt, engine_requests, request_constraint,
                             tokenize_ids, tool_plan)
-from serve.responses import Piece, chat_choice, chat_delta_choices, completion_choice, gather, usage
+from serve.responses import (Piece, chat_choice, chat_delta_choices, completion_choice, gather, prompt_logprobs,
+                             usage)
 from serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                            TokenizeRequest)
 from serve.shutdown import Drain
@@ -297,6 +298,7 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
                 return chat_delta_choices(piece, tokenizer)
             return [completion_choice(piece, tokenizer, offset)]
 
+        scored = not chat and echo and body.logprobs is not None  # the prompt's log-probabilities asked for
         if not body.stream:
             per_sample: list[list[Piece]] = [[] for _ in answer.jobs]
             watcher = asyncio.create_task(answer.abandon_on_disconnect())
@@ -314,6 +316,10 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
                 whole = gather(pieces)
                 whole.index, whole.text = index, echo + whole.text
                 choices.append(choice(whole, delta=False, offset=len(echo)))
+                if scored:  # echo with logprobs: the prompt's own first
+                    c = choices[-1]
+                    c["logprobs"] = prompt_logprobs(tokenizer, answer.ids, answer.jobs[index].prompt_logprobs,
+                                                    c["logprobs"])
             return _json({"id": rid, "object": kind, "created": created, "model": service.name,
                           "choices": choices, "usage": answer.usage()}, headers)
 
@@ -333,11 +339,17 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
             for index in range(len(answer.jobs)):
                 if chat:
                     yield sse([choice(Piece(index, ""), True, first=True)])
-                elif echo:
+                elif echo and not scored:
                     yield sse([choice(Piece(index, echo), True)])
                     offsets[index] = len(echo)
             try:
                 async for piece in answer.merged():
+                    if scored and not offsets[piece.index]:  # the prompt scored before its first token: echo it now
+                        c = choice(Piece(piece.index, echo), True)
+                        c["logprobs"] = prompt_logprobs(tokenizer, answer.ids, answer.jobs[piece.index].prompt_logprobs,
+                                                        None)
+                        yield sse([c])
+                        offsets[piece.index] = len(echo)
                     if piece.text or piece.tokens or piece.finish is not None:
                         for c in stream_choices(piece, offsets[piece.index]):
                             yield sse([c])
@@ -365,9 +377,6 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(http: Request):
         body = await read_body(http, CompletionRequest, service)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs: Strata does not report the prompt's log-probabilities; drop "
-                                "one of the two", param="echo")
         ids, echo = completion_prompt(body, tokenizer)
         constraint, param = request_constraint(body)
         await service.check_constraint(constraint, param)

@@ -36,6 +36,7 @@ class Request:
     ids: list[int]
     logprobs: int | None = None  # log-probabilities to report with each token: None none, k >= 0 its own and k top
     grammar: Constraint | None = None  # the answer follows this constraint (structured output, forced tool calls)
+    prompt_logprobs: int | None = None  # the prompt's own log-probabilities (PLP lines): None none, k >= 0 with k top
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _request(words: list[str]) -> Request:
     sampling: dict = {}
     stop_ids: set[int] = set()
     ignore_eos = False
-    logprobs = None
+    logprobs = prompt_logprobs = None
     grammar = None
     ids: list[int] = []
     for k, word in enumerate(words[1:], 1):
@@ -96,7 +97,8 @@ def _request(words: list[str]) -> Request:
                 raise ProtocolError(f"key {bad!r} after the token ids; keys come first") from None
             break
         key, value = word.split("=", 1)
-        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar", "logit_bias"}:
+        if key not in _FLOAT_KEYS | _INT_KEYS | {"stop", "ignore_eos", "logprobs", "grammar", "logit_bias",
+                                                 "prompt_logprobs"}:
             raise ProtocolError(f"unknown key {key!r}")
         try:
             if key in _FLOAT_KEYS:
@@ -109,10 +111,14 @@ def _request(words: list[str]) -> Request:
                 grammar = decode_constraint(value)
             elif key == "logit_bias":
                 sampling[key] = _logit_bias(value)
-            elif key == "logprobs":
-                logprobs = int(value)
-                if not 0 <= logprobs <= MAX_LOGPROBS:
-                    raise ProtocolError(f"logprobs={logprobs}: top log-probabilities are 0 to {MAX_LOGPROBS}")
+            elif key in ("logprobs", "prompt_logprobs"):
+                k = int(value)
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise ProtocolError(f"{key}={k}: top log-probabilities are 0 to {MAX_LOGPROBS}")
+                if key == "logprobs":
+                    logprobs = k
+                else:
+                    prompt_logprobs = k
             else:
                 ignore_eos = value not in ("0", "false", "")
         except ProtocolError:
@@ -121,7 +127,8 @@ def _request(words: list[str]) -> Request:
             raise ProtocolError(f"key {key}={value!r}: not a number") from None
     if not ids:
         raise ProtocolError("ADD has no prompt token ids")
-    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs, grammar)
+    return Request(max_new, SamplingParams(**sampling), frozenset(stop_ids), ignore_eos, ids, logprobs, grammar,
+                   prompt_logprobs)
 
 
 def _logit_bias(value: str) -> tuple[tuple[int, float], ...]:
@@ -198,6 +205,8 @@ def format_request(request: Request) -> str:
         keys.append(f"logprobs={request.logprobs}")
     if request.grammar is not None:
         keys.append("grammar=" + encode_constraint(request.grammar))
+    if request.prompt_logprobs is not None:
+        keys.append(f"prompt_logprobs={request.prompt_logprobs}")
     return " ".join([str(request.max_new), *keys, *map(str, request.ids)])
 
 
@@ -235,6 +244,12 @@ def logprobs(rid: str, token: int, logprob: float, top: list[tuple[int, float]])
     likely tokens with theirs, most likely first: raw log-softmax of the model's logits, before penalties,
     temperature and filters."""
     return f"LP {rid} {token} {logprob!r} " + " ".join(f"{t} {lp!r}" for t, lp in top)
+
+
+def prompt_logprobs(rid: str, scored: list[tuple[float, list[tuple[int, float]]]]) -> list[str]:
+    """A request's prompt scored (`prompt_logprobs=`), sent after RUN: a line per prompt token after the first, in
+    order: its log-probability given the tokens before it and the top ones (as LP's)."""
+    return [f"PLP {rid} {lp!r} " + " ".join(f"{t} {v!r}" for t, v in top) for lp, top in scored]
 
 
 def end(rid: str, reason: str, num_prompt: int, num_generated: int, num_reused: int = 0) -> str:

@@ -82,6 +82,35 @@ def test_completion_logprobs_tokens_offsets_and_top(client):
         assert max(top.values()) == pytest.approx(value)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, server, tokenizer, hf_default_model):
+    """A completion's `echo` with `logprobs` (what lm-evaluation-harness sends for loglikelihood tasks): each prompt
+    token after the first with transformers' log-softmax of the logits before it, and the top ones; the first has
+    none; then the answer's tokens as without echo; streamed, the same prompt entries in the first chunk."""
+    prompt = "The capital of France is"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [L, V]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=2)
+    r = client.completions.create(**kw, echo=True)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert lp.tokens[:n] == [tokenizer.token_bytes(i).decode() for i in ids] and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    want = [float(ref[p - 1, ids[p]]) for p in range(1, n)]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=2e-3)
+    for p in range(1, n):
+        values, top = ref[p - 1].topk(2)
+        assert list(lp.top_logprobs[p]) == [tokenizer.token_bytes(int(t)).decode() for t in top]
+        assert list(lp.top_logprobs[p].values()) == pytest.approx(values.tolist(), abs=2e-3)
+    plain = client.completions.create(**kw).choices[0]
+    assert r.choices[0].text == prompt + plain.text and lp.tokens[n:] == plain.logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    chunks = list(client.completions.create(**kw, echo=True, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
 def test_n_seeded_samples_differ_from_each_other_and_repeat(client):
     kw = dict(model=MODEL, prompt="Write a word:", max_tokens=12, temperature=1.0, seed=11)
     first = client.completions.create(n=3, **kw)

@@ -212,14 +212,16 @@ def test_parse_and_format_round_trip():
     assert r.params == SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=11, presence_penalty=0.5)
     assert protocol.parse_command(protocol.add("r-3", r)) == cmd
     assert protocol.parse_command("ABORT r-3") == protocol.Abort("r-3")
-    biased = protocol.parse_command("ADD b 4 logit_bias=28:-100,3:2.5 min_tokens=3 1 2").request
+    biased = protocol.parse_command("ADD b 4 logit_bias=28:-100,3:2.5 min_tokens=3 prompt_logprobs=2 1 2").request
     assert biased.params == SamplingParams(logit_bias=((3, 2.5), (28, -100.0)), min_tokens=3)
+    assert biased.prompt_logprobs == 2 and r.prompt_logprobs is None
     assert protocol.parse_command(protocol.add("b", biased)).request == biased
     for bad, words in [("ADD x", "needs"), ("ADD x 5", "no prompt"), ("ADD x 5 1 top_k=3", "keys come first"),
                        ("ADD x -1 1", "at least one"), ("QUIT now", "wrong number"), ("ADD x 5 seed=x 1", "not a number"),
                        ("ADD " + "x" * 65 + " 5 1", "request id"), ("GEN 5 1", "unknown command"),
                        ("ADD x 5 logit_bias=3 1", "token:bias"), ("ADD x 5 logit_bias=3:1,3:2 1", "twice"),
-                       ("ADD x 5 logit_bias=a:1 1", "not an integer"), ("ADD x 5 logprobs=50 1", "0 to 20")]:
+                       ("ADD x 5 logit_bias=a:1 1", "not an integer"), ("ADD x 5 logprobs=50 1", "0 to 20"),
+                       ("ADD x 5 prompt_logprobs=-1 1", "prompt_logprobs=-1")]:
         with pytest.raises(protocol.ProtocolError, match=words):
             protocol.parse_command(bad)
 

@@ -222,7 +222,7 @@ BAD_INPUT = [  # (body, status, words in the message): malformed requests and va
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"fifty": 5}}, 400, "logit_bias: key 'fifty'"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix: Strata does not support"),
     ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
-    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 2}, 400, "echo with logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": [1, 99999999]}, 400, "vocabulary"),
 ]
 

@@ -168,7 +168,21 @@ class Scheduler:
                 self.emit(protocol.err(rid, protocol.ERR_INVALID, str(e)))
                 continue
             self.owner[best], self.running[rid] = rid, best
-            self.emit(protocol.run(rid, reused))
+            if request.prompt_logprobs is None:
+                self.emit(protocol.run(rid, reused))
+                continue
+            try:
+                scored, first = self.slots.read_prompt_scored(best, request.prompt_logprobs)
+            except StrataError as e:
+                self.slots.stop(best)
+                self.owner[best] = None
+                del self.running[rid]
+                self.emit(protocol.err(rid, protocol.ERR_INVALID, str(e)))
+                continue
+            self.emit(protocol.run(rid, 0))
+            for line in protocol.prompt_logprobs(rid, scored):
+                self.emit(line)
+            self._emit_events([first])
         self._report_parking()
 
     # events

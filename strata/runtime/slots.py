@@ -295,6 +295,36 @@ class Slots:
         token = self._sample([index], logits[-1:], [params], [position])
         return self._record([index], token.tolist(), [position])[0]
 
+    def read_prompt_scored(self, index: int, top: int) -> tuple[list[tuple[float, list[tuple[int, float]]]], Event]:
+        """Read an admitted slot's whole prompt now, every row's logits kept (the prompt's own log-probabilities,
+        vLLM's `prompt_logprobs` / a completion's `echo` with `logprobs`), and sample its first token, as
+        `admit_now` does: per prompt token after the first, the raw log-softmax at it and the `top` best, and the
+        first token's event. A prefix the slot reused is read again (its rows' logits are wanted too); the other
+        slots wait while it reads (one prompt window after another, outside the slots' windows)."""
+        slot = self.slots[index]
+        if self.mtp is not None:
+            raise StrataError("prompt log-probabilities: not with MTP drafts (--speculative mtp:N); serve without them")
+        if slot.num_reused:
+            slot.state.truncate(0)
+        slot.num_reused, slot.follows, slot.unread = 0, None, []
+        logits = self.engine.run(slot.state, slot.prompt, all_logits=True)  # [L, V]
+        scored = []
+        for start in range(0, len(slot.prompt) - 1, 256):  # log-softmax a few rows at a time: [256, V] float32
+            rows = logits[start : min(start + 256, len(slot.prompt) - 1)]
+            lp = torch.log_softmax(rows.float(), dim=-1)
+            nxt = row_tensor(slot.prompt[start + 1 : start + 1 + len(rows)], torch.int64, lp.device)
+            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+            scored += [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+        position = slot.state.length
+        token = self._sample([index], logits[-1:], [slot.params], [position])
+        first = None
+        if slot.logprobs is not None:
+            lp = torch.log_softmax(logits[-1:].float(), dim=-1)
+            values, ids = lp.topk(slot.logprobs, dim=-1) if slot.logprobs else (lp[:, :0], lp[:, :0].long())
+            first = [(lp[0, token].item(), list(zip(ids[0].tolist(), values[0].tolist())))]
+        return scored, self._record([index], token.tolist(), [position], first)[0]
+
     def stop(self, index: int) -> bool:
         """Free a slot now; False when it was not active. Its rows in windows still in flight are committed when
         read and give no event."""
