@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from strata.model.loader import ModelFiles
 from strata.runtime.generate import Engine
@@ -92,6 +93,31 @@ def test_a_request_streams_tokens_then_ends(engine, reference):
     assert tokens(lines, "a") == reference([1, 2, 3, 4], 20)
     wins = [list(map(int, line.split()[1:])) for line in lines if line.startswith("WIN ")]
     assert wins[0] == [0, 4] and all(w == [1, 0] for w in wins[1:]) and len(wins) == 20
+    assert engine.close() == 0
+
+
+def test_a_scored_prompt_gives_each_tokens_log_probability(engine, model, reference):
+    """`prompt_logprobs=`: after RUN, a PLP line per prompt token after the first, transformers' log-softmax at it
+    given the tokens before (Qwen3-Next: GDN layers too), read in windows of --max-window-tokens; then the answer
+    as without it."""
+    import transformers
+
+    ids = list(range(3, 23))  # 20 tokens: two windows of 16 and 4
+    engine.send("ADD s 3 ignore_eos=1 prompt_logprobs=2 " + " ".join(map(str, ids)))
+    lines = engine.read_until(ended("s"))
+    assert lines[:2] == ["WAIT s", "RUN s 0"]
+    scored = [line.split()[2:] for line in lines if line.startswith("PLP s ")]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert len(scored) == len(ids) - 1
+    for p, words in enumerate(scored, 1):
+        values, top = ref[p - 1].topk(2)
+        assert float(words[0]) == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+        assert [int(w) for w in words[1::2]] == top.tolist()
+    wins = [list(map(int, line.split()[1:])) for line in lines if line.startswith("WIN ")]
+    assert wins[:2] == [[0, 16], [0, 4]]
+    assert tokens(lines, "s") == reference(ids, 3)
     assert engine.close() == 0
 
 

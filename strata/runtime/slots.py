@@ -308,6 +308,8 @@ class Slots:
             slot.state.truncate(0)
         slot.num_reused, slot.follows, slot.unread = 0, None, []
         logits = self.engine.run(slot.state, slot.prompt, all_logits=True)  # [L, V]
+        step = self.engine.max_window_tokens
+        self._read_log += [(0, min(step, len(slot.prompt) - s)) for s in range(0, len(slot.prompt), step)]  # its windows
         scored = []
         for start in range(0, len(slot.prompt) - 1, 256):  # log-softmax a few rows at a time: [256, V] float32
             rows = logits[start : min(start + 256, len(slot.prompt) - 1)]
