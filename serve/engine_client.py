@@ -184,16 +184,12 @@ class EngineClient:
                 if job is not None:
                     self._token(job, int(words[k + 1]), now)
             self._update_load()
-        elif kind == "LP" and len(words) >= 4:
+        elif kind in ("LP", "PLP") and len(words) >= (4 if kind == "LP" else 3):
             job = self.jobs.get(words[1])
-            if job is not None:
-                top = [(int(words[k]), float(words[k + 1])) for k in range(4, len(words) - 1, 2)]
-                job.logprobs.append((float(words[3]), top))
-        elif kind == "PLP" and len(words) >= 3:
-            job = self.jobs.get(words[1])
-            if job is not None:
-                top = [(int(words[k]), float(words[k + 1])) for k in range(3, len(words) - 1, 2)]
-                job.prompt_logprobs.append((float(words[2]), top))
+            if job is not None:  # LP <id> <token> <logprob> <top...>; PLP <id> <logprob> <top...>
+                at = 3 if kind == "LP" else 2
+                top = [(int(words[k]), float(words[k + 1])) for k in range(at + 1, len(words) - 1, 2)]
+                (job.logprobs if kind == "LP" else job.prompt_logprobs).append((float(words[at]), top))
         elif kind == "WIN":
             self.metrics.window(sum(int(w) for w in words[1:3]))
         elif kind in ("WAIT", "RUN", "END", "ERR") and len(words) >= 2:

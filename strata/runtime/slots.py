@@ -313,18 +313,11 @@ class Slots:
         scored = []
         for start in range(0, len(slot.prompt) - 1, 256):  # log-softmax a few rows at a time: [256, V] float32
             rows = logits[start : min(start + 256, len(slot.prompt) - 1)]
-            lp = torch.log_softmax(rows.float(), dim=-1)
-            nxt = row_tensor(slot.prompt[start + 1 : start + 1 + len(rows)], torch.int64, lp.device)
-            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
-            values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
-            scored += [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+            nxt = row_tensor(slot.prompt[start + 1 : start + 1 + len(rows)], torch.int64, rows.device)
+            scored += _entries(*log_probabilities(rows, nxt, top))
         position = slot.state.length
         token = self._sample([index], logits[-1:], [slot.params], [position])
-        first = None
-        if slot.logprobs is not None:
-            lp = torch.log_softmax(logits[-1:].float(), dim=-1)
-            values, ids = lp.topk(slot.logprobs, dim=-1) if slot.logprobs else (lp[:, :0], lp[:, :0].long())
-            first = [(lp[0, token].item(), list(zip(ids[0].tolist(), values[0].tolist())))]
+        first = None if slot.logprobs is None else _entries(*log_probabilities(logits[-1:], token, slot.logprobs))
         return scored, self._record([index], token.tolist(), [position], first)[0]
 
     def stop(self, index: int) -> bool:
@@ -654,11 +647,9 @@ class Slots:
             return
         k = max(self.slots[sw.samplers[j]].logprobs for j in rows)
         index = row_tensor(rows, torch.int64, logits.device)
-        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = lp.gather(1, sw.sampled.index_select(0, index)[:, None])[:, 0]
-        top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         sw.logprob_rows = {j: r for r, j in enumerate(rows)}
-        sw.logprob_host = tuple(host_copy(t)[0] for t in (chosen, top_values, top_ids))
+        sw.logprob_host = tuple(host_copy(t)[0] for t in log_probabilities(logits.index_select(0, index),
+                                                                            sw.sampled.index_select(0, index), k))
 
     def _ends_after_pending(self, index: int) -> bool:
         """Whether the slot's token in flight certainly ends it (max_new or max_cells): no row goes behind it."""
@@ -902,6 +893,19 @@ class Slots:
                 self._release(slot)
             events.append(Event(i, token, reason, logprobs[j] if logprobs else None))
         return events
+
+
+def log_probabilities(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Rows of logits [N, V] as log-probabilities are reported (the raw log-softmax): the one of each row's chosen
+    token ([N]), and the k largest with their ids ([N, k] each, most likely first)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return lp.gather(1, chosen[:, None])[:, 0], values, ids
+
+
+def _entries(chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> list[tuple[float, list]]:
+    """`log_probabilities`' tensors as the host lists an event or a PLP line carries: (the token's, [(id, value)])."""
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen.tolist(), ids.tolist(), values.tolist())]
 
 
 def _decode_block(engine) -> int:
